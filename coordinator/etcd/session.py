@@ -1,0 +1,87 @@
+"""A session: one lease, renewed in the background, that says when it is lost.
+
+Everything a member writes is bound to its session's lease, so a member that
+crashes disappears from etcd within the TTL instead of leaving stale keys.
+The member itself must stop acting once its lease is gone (others may already
+have judged it dead), so `lost` is set as soon as either etcd says the lease is
+gone or no renewal has been confirmed for a whole TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from coordinator.etcd.client import Etcd, EtcdError
+
+log = logging.getLogger(__name__)
+
+#: etcd's smallest TTL with default settings; shorter requests are rounded up.
+MIN_TTL = 2
+
+
+class Session:
+    def __init__(self, etcd: Etcd, ttl: int = 10) -> None:
+        if ttl < MIN_TTL:
+            raise ValueError(f"lease ttl must be at least {MIN_TTL}s, got {ttl}")
+        self.etcd = etcd
+        self.ttl = ttl
+        self.lease_id = etcd.grant_lease(ttl)
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self._listeners: list[Callable[[str], None]] = []
+        self._stop = threading.Event()
+        self._last_ack = time.monotonic()
+        self._thread = threading.Thread(target=self._keepalive, daemon=True, name="etcd-keepalive")
+        self._thread.start()
+
+    def on_lost(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` once if the lease is lost (at once if it already is)."""
+        self._listeners.append(listener)
+        if self.lost.is_set():
+            listener(self.lost_reason)
+
+    def _keepalive(self) -> None:
+        interval = self.ttl / 3
+        while not self._stop.wait(interval):
+            try:
+                remaining = self.etcd.keepalive(self.lease_id)
+            except Exception as exc:  # a transient failure; judged by the deadline below
+                log.debug("keepalive failed: %s", exc)
+                remaining = None
+                interval = min(0.5, self.ttl / 3)
+            else:
+                interval = self.ttl / 3
+            if remaining == 0:
+                self._mark_lost(f"lease {self.lease_id:x} expired in etcd")
+                return
+            if remaining is not None:
+                self._last_ack = time.monotonic()
+            elif time.monotonic() - self._last_ack > self.ttl:
+                self._mark_lost(f"no lease renewal confirmed by etcd for {self.ttl}s")
+                return
+
+    def _mark_lost(self, reason: str) -> None:
+        if self._stop.is_set() or self.lost.is_set():
+            return
+        self.lost_reason = reason
+        self.lost.set()
+        for listener in self._listeners:
+            listener(reason)
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop renewing; with `revoke`, delete every key bound to the lease now."""
+        self._stop.set()
+        self._thread.join(timeout=self.etcd.timeout + 1)
+        if revoke and not self.lost.is_set():
+            try:
+                self.etcd.revoke_lease(self.lease_id)
+            except EtcdError as exc:
+                log.warning(
+                    "could not revoke lease %x (it expires in %ds): %s",
+                    self.lease_id,
+                    self.ttl,
+                    exc,
+                )

@@ -1,0 +1,103 @@
+"""Start a job's members as local processes and follow their progress.
+
+The embedded default: no containers, no cluster, just `coordinator worker`
+processes on this machine. Each worker's JSON progress lines are read from its
+stdout; its stderr is kept for the report when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+
+@dataclass
+class LocalWorker:
+    index: int
+    process: subprocess.Popen[str]
+    rank: int | None = None
+    phase: str = "starting"
+    done: dict[str, Any] | None = None
+    failed: dict[str, Any] | None = None
+    stderr: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+
+class LocalLauncher:
+    """Spawns `n` copies of `coordinator worker <args>`; `events` yields their progress."""
+
+    def __init__(self, n: int, worker_args: list[str]) -> None:
+        self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.workers: list[LocalWorker] = []
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            for index in range(n):
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "coordinator", "worker", *worker_args],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    env=env,
+                )
+                worker = LocalWorker(index, process)
+                self.workers.append(worker)
+                threading.Thread(target=self._read_events, args=(worker,), daemon=True).start()
+                threading.Thread(
+                    target=self._read_stderr, args=(worker, process.stderr), daemon=True
+                ).start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read_events(self, worker: LocalWorker) -> None:
+        assert worker.process.stdout is not None
+        for line in worker.process.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("rank") is not None:
+                worker.rank = event["rank"]
+            if event["event"] == "phase":
+                worker.phase = event["phase"]
+            elif event["event"] == "done":
+                worker.done = event
+            elif event["event"] == "failed":
+                worker.failed = event
+            self.events.put((worker.index, event))
+        worker.process.wait()
+        self.events.put((worker.index, {"event": "exit", "exit_code": worker.process.returncode}))
+
+    @staticmethod
+    def _read_stderr(worker: LocalWorker, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            worker.stderr.append(line.rstrip("\n"))
+
+    def running(self) -> int:
+        return sum(1 for w in self.workers if w.exit_code is None)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every worker still running (they leave cleanly), SIGKILL after `grace`."""
+        for worker in self.workers:
+            if worker.exit_code is None:
+                worker.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for worker in self.workers:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()

@@ -1,0 +1,510 @@
+"""One member of a job's rendezvous: the seed protocol's phases on etcd v3.
+
+Phases, in order (seed name in brackets where it differs):
+
+- `leader_election`: claim the smallest free ordinal; rank 0 leads. Ends when
+  all N ranks are held.
+- `ip_exchange`: publish this member's address; the leader writes the roster.
+- `connect` [ssh]: the leader checks that it reaches every member's endpoint.
+- `barrier(name)`, e.g. `training`: nobody passes before all N arrive.
+- `cleaner`: a last barrier, then every member leaves and the last one out
+  deletes the job's rendezvous keys.
+
+Every key is bound to the member's lease, so a crashed member's keys vanish
+and the others see a deletion. Every wait listens for three things at once: its
+own condition (one key, or a prefix the leader alone watches), deletions of
+member keys (a member lost), and the loss of its own lease; and it has a
+deadline. Keys written after the election carry the round (the leader key's
+create revision), so nothing left from an earlier round can satisfy a wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any, TypeVar
+
+from coordinator.etcd.client import Etcd, LeaseNotFound, Watch, WatchEvent
+from coordinator.etcd.session import Session
+from coordinator.rendezvous.address import advertise_address
+from coordinator.rendezvous.endpoint import MemberEndpoint, probe
+from coordinator.rendezvous.errors import (
+    JobFull,
+    MemberLost,
+    RendezvousError,
+    RendezvousTimeout,
+    SessionLost,
+    Unreachable,
+)
+from coordinator.rendezvous.roster import MemberAddress, Roster
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fenced(phase_method: F) -> F:
+    """etcd refusing a write for a lost lease means this member is out: say so."""
+
+    @wraps(phase_method)
+    def wrapper(self: Member, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return phase_method(self, *args, **kwargs)
+        except LeaseNotFound as exc:
+            raise SessionLost(
+                f"this member's etcd lease is gone (etcd refused a write) during phase "
+                f"'{self.phase}'; stopping instead of acting on a stale view"
+            ) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    if not NAME_PATTERN.match(value):
+        raise ValueError(
+            f"{kind} {value!r} must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+class JobKeys:
+    """Where a job's rendezvous keeps its keys (all under `<namespace>/jobs/<job>/`)."""
+
+    def __init__(self, etcd: Etcd, job_id: str) -> None:
+        self.job = etcd.key("jobs", job_id) + "/"
+        self.root = self.job + "rendezvous/"
+        self.arrivals = self.root + "arrivals/"
+        self.members = self.root + "members/"
+        self.addresses = self.root + "addresses/"
+        self.elected = self.root + "elected"
+        self.roster = self.root + "roster"
+
+    def member(self, rank: int) -> str:
+        return f"{self.members}{rank:06d}"
+
+    def address(self, rank: int) -> str:
+        return f"{self.addresses}{rank:06d}"
+
+    def barrier(self, round_: int, name: str, use: int) -> str:
+        return f"{self.root}barriers/{round_}/{name}/{use}/"
+
+
+def rank_of(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """When this member entered a phase's wait and when it passed (wall clock)."""
+
+    phase: str
+    arrived: float
+    passed: float
+
+
+class Member:
+    """Use as a context manager, or call `close()` (with the error, if any) at the end."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        job_id: str,
+        world_size: int,
+        *,
+        ttl: int = 10,
+        timeout: float = 300.0,
+        address: str | None = None,
+        port: int = 0,
+        member_id: str | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.etcd = etcd
+        self.job_id = check_name("job id", job_id)
+        self.world_size = world_size
+        self.ttl = ttl
+        self.timeout = timeout
+        self.member_id = member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.keys = JobKeys(etcd, job_id)
+        self.phase = "init"
+        self.rank: int | None = None
+        self.round = 0
+        self.roster: Roster | None = None
+        self.timeline: list[PhaseRecord] = []
+        self.cleaned_up = False  # True on the member that deleted the job's keys
+        self._address = address
+        self._port = port
+        self._session: Session | None = None
+        self._endpoint: MemberEndpoint | None = None
+        self._liveness: Watch | None = None
+        self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._barrier_uses: Counter[str] = Counter()
+        self._wait_token = 0
+
+    # -- the phases -------------------------------------------------------
+
+    def rendezvous(self) -> Roster:
+        """leader_election, ip_exchange and connect: afterwards every member holds the roster."""
+        self.leader_election()
+        roster = self.ip_exchange()
+        self.connect()
+        return roster
+
+    @fenced
+    def leader_election(self) -> int:
+        self.phase = "leader_election"
+        arrived = time.time()
+        self._session = session = Session(self.etcd, self.ttl)
+        session.on_lost(lambda reason: self._inbox.put(("session", reason)))
+        lease = session.lease_id
+        info = json.dumps(
+            {"member_id": self.member_id, "host": socket.gethostname(), "pid": os.getpid()}
+        )
+
+        # Arrival order gives each member a first guess at its ordinal, so N
+        # members make N claims instead of N^2 when they all start together.
+        my_revision = self.etcd.put(self.keys.arrivals + self.member_id, info, lease)
+        ahead = self.etcd.count_prefix(self.keys.arrivals, max_create_revision=my_revision - 1)
+        if ahead >= self.world_size:
+            raise JobFull(
+                f"job '{self.job_id}' already has {self.world_size} members "
+                f"(keys of a crashed earlier run expire within their {self.ttl}s lease)"
+            )
+        rank, claim, count = self._claim(ahead, info, lease)
+        self.rank = rank
+        self._liveness = self.etcd.watch(
+            self.keys.members,
+            self._on_member_deleted,
+            start_revision=claim.create_revision + 1,
+            prefix=True,
+            only_deletes=True,
+        )
+        if count >= self.world_size:  # this claim completed the set: announce it
+            members, _ = self.etcd.get_prefix(self.keys.members)
+            elected = {
+                "round": members[0].create_revision,
+                "members": [json.loads(m.value)["member_id"] for m in members],
+            }
+            self.etcd.put(self.keys.elected, json.dumps(elected), lease)
+
+        def is_mine(value: bytes) -> int | None:
+            elected = json.loads(value)
+            members = elected["members"]
+            ours = len(members) == self.world_size and members[rank] == self.member_id
+            return elected["round"] if ours else None
+
+        self.round = self._wait(
+            self.keys.elected,
+            claim.create_revision,
+            on_events=lambda events: _first(is_mine(e.value) for e in events if e.kind == "put"),
+            recheck=lambda: _maybe(self.etcd.get(self.keys.elected), lambda kv: is_mine(kv.value)),
+            missing=self._unclaimed_ranks,
+        )
+        self._record(arrived)
+        return rank
+
+    def _claim(self, first_guess: int, info: str, lease: int) -> tuple[int, Any, int]:
+        guess = first_guess
+        for _ in range(self.world_size + 1):
+            created, current, count = self.etcd.create(
+                self.keys.member(guess), info, lease, count_prefix=self.keys.members
+            )
+            if created:
+                return guess, current, count
+            members, _ = self.etcd.get_prefix(self.keys.members)
+            free = sorted(set(range(self.world_size)) - {rank_of(m.key) for m in members})
+            if not free:
+                break
+            guess = free[0]
+        raise JobFull(f"job '{self.job_id}': all {self.world_size} ranks are taken")
+
+    def _unclaimed_ranks(self) -> list[int]:
+        members, _ = self.etcd.get_prefix(self.keys.members)
+        return sorted(set(range(self.world_size)) - {rank_of(m.key) for m in members})
+
+    @fenced
+    def ip_exchange(self) -> Roster:
+        self.phase = "ip_exchange"
+        arrived = time.time()
+        rank, lease = self._require_rank(), self._lease()
+        host = advertise_address(self.etcd.endpoints, self._address)
+        try:
+            self._endpoint = MemberEndpoint(self.job_id, self.member_id, host, self._port)
+        except OSError:  # an override that is not a local address (NAT): listen on all
+            self._endpoint = MemberEndpoint(self.job_id, self.member_id, "0.0.0.0", self._port)
+        me = MemberAddress(
+            rank=rank,
+            member_id=self.member_id,
+            host=host,
+            port=self._endpoint.port,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        revision = self.etcd.put(self.keys.address(rank), me.model_dump_json(), lease)
+
+        if rank == 0:
+            self._publish_roster()
+
+        def is_ours(value: bytes) -> Roster | None:
+            roster = Roster.model_validate_json(value)
+            return roster if roster.round == self.round else None
+
+        self.roster = self._wait(
+            self.keys.roster,
+            revision,
+            on_events=lambda events: _first(is_ours(e.value) for e in events if e.kind == "put"),
+            recheck=lambda: _maybe(self.etcd.get(self.keys.roster), lambda kv: is_ours(kv.value)),
+            missing=lambda: "the leader's roster",
+        )
+        self._record(arrived)
+        return self.roster
+
+    def _publish_roster(self) -> None:
+        """The leader collects all N addresses, then writes the roster once."""
+        addresses: dict[int, MemberAddress] = {}
+
+        def take(values: list[bytes]) -> dict[int, MemberAddress] | None:
+            for value in values:
+                address = MemberAddress.model_validate_json(value)
+                if address.rank < self.world_size:
+                    addresses[address.rank] = address
+            return addresses if len(addresses) == self.world_size else None
+
+        current, revision = self.etcd.get_prefix(self.keys.addresses)
+        if take([kv.value for kv in current]) is None:
+            self._wait(
+                self.keys.addresses,
+                revision + 1,
+                on_events=lambda events: take([e.value for e in events if e.kind == "put"]),
+                recheck=lambda: None,
+                missing=lambda: sorted(set(range(self.world_size)) - set(addresses)),
+                prefix=True,
+            )
+        roster = Roster(
+            job_id=self.job_id,
+            round=self.round,
+            world_size=self.world_size,
+            members=[addresses[r] for r in range(self.world_size)],
+        )
+        created, current_kv, _ = self.etcd.create(
+            self.keys.roster, roster.model_dump_json(), self._lease()
+        )
+        if not created and Roster.model_validate_json(current_kv.value).round == self.round:
+            raise RendezvousError(f"job '{self.job_id}': another leader wrote this round's roster")
+
+    @fenced
+    def connect(self) -> None:
+        """[ssh] The leader proves it reaches every member; then all pass together."""
+        self.phase = "connect"
+        roster = self._require_roster()
+        if self.rank == 0:
+            deadline = time.monotonic() + self.timeout
+            with ThreadPoolExecutor(max_workers=min(32, roster.world_size)) as pool:
+                problems = pool.map(
+                    lambda m: probe(m.host, m.port, self.job_id, m.member_id, deadline),
+                    roster.members,
+                )
+                failed = [
+                    f"rank {m.rank} at {m.host}:{m.port} ({problem})"
+                    for m, problem in zip(roster.members, problems, strict=True)
+                    if problem is not None
+                ]
+            if failed:
+                raise Unreachable("the leader cannot reach " + "; ".join(failed))
+        self._barrier("connect")
+
+    @fenced
+    def barrier(self, name: str) -> None:
+        """Wait until all N members have called `barrier(name)` the same number of times."""
+        self._barrier(check_name("barrier name", name))
+
+    def _barrier(self, name: str) -> None:
+        self.phase = name
+        arrived = time.time()
+        rank, lease = self._require_rank(), self._lease()
+        self._require_roster()
+        use = self._barrier_uses[name]
+        self._barrier_uses[name] += 1
+        base = self.keys.barrier(self.round, name, use)
+        revision, count = self.etcd.put_and_count(
+            f"{base}arrived/{rank:06d}", json.dumps({"t": arrived}), lease, base + "arrived/"
+        )
+        if count >= self.world_size:  # the last arrival opens the gate for everyone
+            self.etcd.put(base + "ready", str(self.round), lease)
+
+        def arrived_ranks() -> list[int]:
+            done = {rank_of(kv.key) for kv in self.etcd.get_prefix(base + "arrived/")[0]}
+            return sorted(set(range(self.world_size)) - done)
+
+        self._wait(
+            base + "ready",
+            revision,
+            on_events=lambda events: True if any(e.kind == "put" for e in events) else None,
+            recheck=lambda: True if self.etcd.get(base + "ready") else None,
+            missing=arrived_ranks,
+        )
+        self._record(arrived)
+
+    @fenced
+    def cleaner(self) -> None:
+        """Last barrier; then leave, and the last member out deletes the job's keys."""
+        self._barrier("cleaner")
+        self._stop_liveness()
+        session = self._session
+        assert session is not None
+        # Say we left on purpose, so a member still waiting for this barrier's
+        # gate knows the gate opened even if it sees our departure first.
+        self.etcd.put(
+            self.keys.member(self._require_rank()), json.dumps({"state": "left"}), session.lease_id
+        )
+        session.close(revoke=True)
+        self._session = None
+        if self.etcd.count_prefix(self.keys.members) == 0:
+            self.etcd.delete_prefix(self.keys.root)
+            self.cleaned_up = True
+        self.phase = "done"
+        self.close()
+
+    # -- waiting ----------------------------------------------------------
+
+    def _on_member_deleted(self, events: list[WatchEvent]) -> None:
+        for event in events:
+            try:
+                state = json.loads(event.prev_value)
+            except ValueError:
+                state = {}
+            self._inbox.put(("member", rank_of(event.key), state))
+
+    def _wait(
+        self,
+        key: str,
+        start_revision: int,
+        *,
+        on_events: Callable[[list[WatchEvent]], T | None],
+        recheck: Callable[[], T | None],
+        missing: Callable[[], list[int] | str],
+        prefix: bool = False,
+    ) -> T:
+        """Block until `on_events` returns a value, a member is lost, or the deadline.
+
+        `recheck` reads the condition directly; it settles races between a
+        member's departure and the event that would have let us pass.
+        """
+        self._wait_token += 1
+        token = self._wait_token
+        deadline = time.monotonic() + self.timeout
+        watch = self.etcd.watch(
+            key,
+            lambda events: self._inbox.put(("events", token, events)),
+            start_revision,
+            prefix=prefix,
+        )
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RendezvousTimeout(self.phase, self.timeout, missing())
+                try:
+                    item = self._inbox.get(timeout=remaining)
+                except queue.Empty:
+                    continue
+                kind = item[0]
+                if kind == "events" and item[1] == token:
+                    result = on_events(item[2])
+                    if result is not None:
+                        return result
+                elif kind == "session":
+                    raise SessionLost(
+                        f"this member's etcd lease is lost ({item[1]}) during phase "
+                        f"'{self.phase}'; stopping instead of acting on a stale view"
+                    )
+                elif kind == "member":
+                    _, rank, state = item
+                    if rank == self.rank:
+                        raise SessionLost(f"this member's rank key vanished during '{self.phase}'")
+                    if state.get("state") == "left" and self.phase == "cleaner":
+                        return recheck() or True  # type: ignore[return-value]
+                    result = recheck()
+                    if result is not None:
+                        return result
+                    raise MemberLost(rank, self.phase, _loss_reason(state))
+        finally:
+            watch.cancel()
+
+    # -- bookkeeping ------------------------------------------------------
+
+    def _record(self, arrived: float) -> None:
+        self.timeline.append(PhaseRecord(self.phase, arrived, time.time()))
+
+    def _require_rank(self) -> int:
+        if self.rank is None:
+            raise RendezvousError("leader_election must come first")
+        return self.rank
+
+    def _require_roster(self) -> Roster:
+        if self.roster is None:
+            raise RendezvousError("ip_exchange must come before connect and barriers")
+        return self.roster
+
+    def _lease(self) -> int:
+        if self._session is None:
+            raise RendezvousError("this member has no session (not joined, or already left)")
+        if self._session.lost.is_set():
+            raise SessionLost(f"this member's etcd lease is lost ({self._session.lost_reason})")
+        return self._session.lease_id
+
+    def _stop_liveness(self) -> None:
+        if self._liveness is not None:
+            self._liveness.cancel()
+            self._liveness = None
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Leave: tell the others why if we failed, then drop our keys with the lease."""
+        self._stop_liveness()
+        session, self._session = self._session, None
+        if session is not None:
+            if error is not None and self.rank is not None and not session.lost.is_set():
+                state = {"state": "failed", "phase": self.phase, "reason": str(error)}
+                # Best effort: the lease revocation below tells them in any case.
+                with contextlib.suppress(Exception):
+                    self.etcd.put(self.keys.member(self.rank), json.dumps(state), session.lease_id)
+            session.close(revoke=True)
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+
+    def __enter__(self) -> Member:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(exc)
+
+
+def _loss_reason(state: dict[str, Any]) -> str:
+    if state.get("state") == "failed":
+        return f"it failed in phase '{state.get('phase')}': {state.get('reason')}"
+    if state.get("state") == "left":
+        return "it finished and left, so its barrier sequence differs from this member's"
+    return "its lease ended (the process died or lost contact with etcd)"
+
+
+def _first(values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _maybe(kv: Any, read: Callable[[Any], T | None]) -> T | None:
+    return None if kv is None else read(kv)

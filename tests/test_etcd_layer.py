@@ -1,0 +1,157 @@
+"""The thin etcd layer and the embedded server, against real etcd processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.etcd.client import Etcd, EtcdUnavailable, WatchEvent, parse_endpoints
+from coordinator.etcd.server import EmbeddedEtcd, free_port
+from coordinator.etcd.session import Session
+from tests.conftest import wait_until
+
+
+def test_keys_live_under_the_namespace(etcd: Etcd) -> None:
+    etcd.put(etcd.key("a", 1), "x")
+    assert etcd.key("a", 1) == f"{etcd.namespace}/a/1"
+    assert etcd.get(etcd.key("a", 1)).value == b"x"  # type: ignore[union-attr]
+    assert etcd.count_prefix(etcd.namespace + "/") == 1
+
+
+def test_create_is_create_if_absent_and_safe_to_retry(etcd: Etcd) -> None:
+    key = etcd.key("claim")
+    created, kv, count = etcd.create(key, "me", count_prefix=etcd.namespace + "/")
+    assert created and kv.value == b"me" and count == 1
+    again, kv2, _ = etcd.create(key, "me")  # a retry after a lost answer: still ours
+    assert again and kv2.create_revision == kv.create_revision
+    other, kv3, _ = etcd.create(key, "someone else")
+    assert not other and kv3.value == b"me"
+
+
+def test_count_by_create_revision_counts_only_earlier_keys(etcd: Etcd) -> None:
+    revisions = [etcd.put(etcd.key("arrivals", i), "") for i in range(5)]
+    prefix = etcd.key("arrivals") + "/"
+    assert [etcd.count_prefix(prefix, max_create_revision=r - 1) for r in revisions] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+
+
+def test_put_and_count_is_one_transaction(etcd: Etcd) -> None:
+    prefix = etcd.key("b") + "/"
+    counts = [etcd.put_and_count(prefix + str(i), "", 0, prefix)[1] for i in range(3)]
+    assert counts == [1, 2, 3]
+
+
+def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Path) -> None:
+    with EmbeddedEtcd(data_dir=tmp_path / "etcd") as server, Etcd(server.endpoint) as etcd:
+        seen: list[WatchEvent] = []
+        lock = threading.Lock()
+
+        def collect(events: list[WatchEvent]) -> None:
+            with lock:
+                seen.extend(events)
+
+        start = etcd.put(etcd.key("w", 0), "0")
+        watch = etcd.watch(etcd.key("w") + "/", collect, start_revision=start, prefix=True)
+        wait_until(lambda: len(seen) == 1, 10, "the first event")
+        server.stop()
+        server.start()
+        with Etcd(server.endpoint) as writer:  # written while the watcher reconnects
+            for i in range(1, 4):
+                writer.put(writer.key("w", i), str(i))
+        wait_until(lambda: len(seen) == 4, 20, "all four events after the restart")
+        watch.cancel()
+        assert [e.value for e in seen] == [b"0", b"1", b"2", b"3"]
+        assert [e.kind for e in seen] == ["put"] * 4
+
+
+def test_only_deletes_watch_carries_the_previous_value(etcd: Etcd) -> None:
+    seen: list[WatchEvent] = []
+    revision = etcd.put(etcd.key("m", 1), "state")
+    watch = etcd.watch(
+        etcd.key("m") + "/", seen.extend, revision + 1, prefix=True, only_deletes=True
+    )
+    etcd.put(etcd.key("m", 2), "ignored")
+    etcd.delete(etcd.key("m", 1))
+    wait_until(lambda: seen, 10, "the deletion")
+    watch.cancel()
+    assert [(e.kind, e.prev_value) for e in seen] == [("delete", b"state")]
+
+
+def test_session_keys_vanish_with_the_session(etcd: Etcd) -> None:
+    session = Session(etcd, ttl=2)
+    etcd.put(etcd.key("s"), "x", session.lease_id)
+    session.close(revoke=True)
+    assert etcd.get(etcd.key("s")) is None
+
+
+def test_session_is_kept_alive_past_its_ttl_and_reports_loss(etcd: Etcd) -> None:
+    session = Session(etcd, ttl=2)
+    etcd.put(etcd.key("s"), "x", session.lease_id)
+    reasons: list[str] = []
+    session.on_lost(reasons.append)
+    started = time.monotonic()
+    wait_until(lambda: time.monotonic() - started > 3, 5, "a time past the ttl")
+    assert etcd.get(etcd.key("s")) is not None, "keepalive must hold the lease past its TTL"
+    etcd.revoke_lease(session.lease_id)
+    wait_until(lambda: session.lost.is_set(), 5, "the session to notice its lease is gone")
+    assert reasons and "expired" in reasons[0]
+    session.close()
+
+
+def test_unreachable_etcd_fails_within_the_connect_timeout() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailable, match=f"cannot reach etcd at {endpoint} within 0.5s"):
+        Etcd(endpoint, connect_timeout=0.5)
+    assert time.monotonic() - started < 3
+
+
+def test_a_second_endpoint_is_used_when_the_first_is_down(etcd_server: EmbeddedEtcd) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    with Etcd([dead, etcd_server.endpoint], connect_timeout=5) as etcd:
+        assert etcd.put(etcd.key("failover"), "ok") > 0
+        etcd.delete(etcd.key("failover"))
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [("", "no etcd endpoint"), ("nohost", "is not HOST:PORT"), ("https://h:1", "TLS")],
+)
+def test_bad_endpoints_are_named(given: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_endpoints(given)
+
+
+def test_endpoint_forms_are_normalised() -> None:
+    assert parse_endpoints("http://a:1/, b:2") == ["a:1", "b:2"]
+
+
+def test_embedded_etcd_keeps_its_data_across_a_restart(tmp_path: Path) -> None:
+    with EmbeddedEtcd(data_dir=tmp_path / "d") as server:
+        with Etcd(server.endpoint) as etcd:
+            etcd.put("/k", "v")
+        server.stop()
+        assert server.process is None
+        server.start()
+        with Etcd(server.endpoint) as etcd:
+            assert etcd.get("/k").value == b"v"  # type: ignore[union-attr]
+    assert (tmp_path / "d").exists(), "a caller's data dir is the caller's to remove"
+
+
+def test_embedded_etcd_removes_its_own_data_dir() -> None:
+    server = EmbeddedEtcd().start()
+    data_dir, pid = server.data_dir, server.process.pid  # type: ignore[union-attr]
+    server.close()
+    assert not data_dir.exists()
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)
