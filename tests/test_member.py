@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.rendezvous.errors import RendezvousTimeout, SessionLost
+from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
 from coordinator.rendezvous.member import Member
 
 
@@ -118,3 +119,25 @@ def test_bad_barrier_name_is_named(etcd_server: EmbeddedEtcd, namespace: str) ->
         return "ok"
 
     assert run_members(etcd_server.endpoint, namespace, 1, body, ttl=3) == ["ok"]
+
+
+def test_leader_stops_probing_a_member_that_is_lost(
+    etcd_server: EmbeddedEtcd, namespace: str
+) -> None:
+    """A member that dies after publishing its address: the leader's connect check
+    gives up at once with MemberLost instead of retrying until the phase deadline."""
+
+    def body(m: Member) -> str:
+        m.leader_election()
+        m.ip_exchange()
+        if m.rank == 1:
+            m._endpoint.close()  # type: ignore[union-attr]  # its process is gone...
+            m.close()  # ...and so is its lease
+            return "gone"
+        started = time.monotonic()
+        with pytest.raises(MemberLost, match="member rank 1 was lost during phase 'connect'"):
+            m.connect()
+        return f"{time.monotonic() - started:.1f}"
+
+    results = run_members(etcd_server.endpoint, namespace, 2, body, ttl=3, timeout=60)
+    assert float(next(r for r in results if r != "gone")) < 10

@@ -12,6 +12,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 def _greeting(job_id: str, member_id: str) -> bytes:
@@ -45,8 +46,18 @@ class MemberEndpoint:
         self._sock.close()
 
 
-def probe(host: str, port: int, job_id: str, member_id: str, deadline: float) -> str | None:
-    """Connect until the member answers with its greeting; None on success, else why not."""
+def probe(
+    host: str,
+    port: int,
+    job_id: str,
+    member_id: str,
+    deadline: float,
+    give_up: Callable[[], bool] = lambda: False,
+) -> str | None:
+    """Connect until the member answers with its greeting; None on success, else why not.
+
+    `give_up` ends the retries early (a member is already known to be lost).
+    """
     expected = _greeting(job_id, member_id)
     problem = "no attempt"
     while True:
@@ -66,6 +77,6 @@ def probe(host: str, port: int, job_id: str, member_id: str, deadline: float) ->
             problem = f"answered {received[:80]!r}, expected {expected!r}"
         except OSError as exc:
             problem = str(exc)
-        if time.monotonic() + 0.2 > deadline:
+        if time.monotonic() + 0.2 > deadline or give_up():
             return problem
         time.sleep(0.2)  # retry a refused connection: the member may still be starting

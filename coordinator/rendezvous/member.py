@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import socket
+import threading
 import time
 import uuid
 from collections import Counter
@@ -152,6 +153,7 @@ class Member:
         self._endpoint: MemberEndpoint | None = None
         self._liveness: Watch | None = None
         self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._trouble = threading.Event()  # a member or our lease is lost: stop retrying
         self._barrier_uses: Counter[str] = Counter()
         self._wait_token = 0
 
@@ -169,7 +171,7 @@ class Member:
         self.phase = "leader_election"
         arrived = time.time()
         self._session = session = Session(self.etcd, self.ttl)
-        session.on_lost(lambda reason: self._inbox.put(("session", reason)))
+        session.on_lost(self._on_session_lost)
         lease = session.lease_id
         info = json.dumps(
             {"member_id": self.member_id, "host": socket.gethostname(), "pid": os.getpid()}
@@ -315,7 +317,9 @@ class Member:
             deadline = time.monotonic() + self.timeout
             with ThreadPoolExecutor(max_workers=min(32, roster.world_size)) as pool:
                 problems = pool.map(
-                    lambda m: probe(m.host, m.port, self.job_id, m.member_id, deadline),
+                    lambda m: probe(
+                        m.host, m.port, self.job_id, m.member_id, deadline, self._trouble.is_set
+                    ),
                     roster.members,
                 )
                 failed = [
@@ -323,7 +327,7 @@ class Member:
                     for m, problem in zip(roster.members, problems, strict=True)
                     if problem is not None
                 ]
-            if failed:
+            if failed and not self._trouble.is_set():  # else the wait below says who was lost
                 raise Unreachable("the leader cannot reach " + "; ".join(failed))
         self._barrier("connect")
 
@@ -387,7 +391,13 @@ class Member:
                 state = json.loads(event.prev_value)
             except ValueError:
                 state = {}
+            if state.get("state") != "left":
+                self._trouble.set()
             self._inbox.put(("member", rank_of(event.key), state))
+
+    def _on_session_lost(self, reason: str) -> None:
+        self._trouble.set()
+        self._inbox.put(("session", reason))
 
     def _wait(
         self,
