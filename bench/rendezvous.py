@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -81,44 +82,54 @@ def main(
     sizes: str = typer.Option("16,64,128,256", help="member counts"),
     repeats: int = typer.Option(1, min=1, help="runs per N; the median is shown"),
     skip_torch: bool = typer.Option(False, help="measure only our rendezvous"),
+    torch_timeout: float = typer.Option(120.0, help="give up on a torch rendezvous after this"),
 ) -> None:
     import torch_elastic
 
-    table = Table(title="rendezvous: all members started -> all hold the roster (seconds)")
-    columns = (
-        "N",
-        "ours",
-        "etcd ops/member*",
-        "torch c10d",
-        "c10d/ours",
-        "torch etcd-v2",
-        "etcd-v2/ours",
-    )
-    for column in columns:
-        table.add_column(column, justify="right")
+    backends = {} if skip_torch else torch_elastic.MEASURES
+    table = Table(title="all members started -> all hold the roster (seconds; members are threads)")
+    table.add_column("N", justify="right")
+    table.add_column("ours", justify="right")
+    table.add_column("etcd ops/member*", justify="right")
+    for name in backends:
+        table.add_column(f"torch {name}", justify="right")
+        table.add_column("ratio", justify="right")
     with EmbeddedEtcd() as server:
         for n in (int(s) for s in sizes.split(",")):
             runs = [measure_ours(n, server.endpoint) for _ in range(repeats)]
             ours = statistics.median(r[0] for r in runs)
-            ops = statistics.median(r[1] for r in runs)
-            row = [str(n), f"{ours:.3f}", f"{ops:.0f}"]
-            if skip_torch:
-                row += ["-"] * 4
-            else:
-                for measure in (torch_elastic.measure_c10d, torch_elastic.measure_etcd_v2):
-                    values = [measure(n) for _ in range(repeats)]
-                    if all(isinstance(v, float) for v in values):
-                        theirs = statistics.median(values)  # type: ignore[type-var]
-                        row += [f"{theirs:.3f}", f"{theirs / ours:.1f}x"]
-                    else:
-                        row += [str(next(v for v in values if not isinstance(v, float))), "-"]
+            row = [str(n), f"{ours:.3f}", f"{statistics.median(r[1] for r in runs):.0f}"]
+            console.print(f"N={n}: ours {ours:.3f}s")
+            for name, measure in backends.items():
+                theirs = _median_or_reason(
+                    [_torch(measure, n, torch_timeout) for _ in range(repeats)]
+                )
+                if isinstance(theirs, float):
+                    row += [f"{theirs:.3f}", f"{theirs / ours:.1f}x"]
+                else:
+                    row += [
+                        theirs,
+                        f"> {torch_timeout / ours:.0f}x" if "timeout" in theirs else "-",
+                    ]
+                console.print(f"N={n}: torch {name} {row[-2]}")
             table.add_row(*row)
-            console.print(f"N={n} done: ours {ours:.3f}s")
     console.print(table)
     console.print(
-        "* etcd requests per member for the whole life of a member "
-        "(all phases through cleanup, keepalives included)."
+        "ratio = torch time / our time (above 1: we are faster). * etcd requests per member over "
+        "its whole life: every phase through cleanup, keepalives included."
     )
+
+
+def _torch(measure: Callable[[int, float], float | str], n: int, timeout: float) -> float | str:
+    try:
+        return measure(n, timeout)
+    except TimeoutError:
+        return f"> {timeout:g} (timeout)"
+
+
+def _median_or_reason(values: list[float | str]) -> float | str:
+    reasons = [v for v in values if isinstance(v, str)]
+    return reasons[0] if reasons else statistics.median(values)  # type: ignore[type-var]
 
 
 if __name__ == "__main__":

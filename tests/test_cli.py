@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
+from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.rendezvous.address import ADVERTISE_ENV, advertise_address, route_address
 from coordinator.worker import EXIT_ETCD_UNAVAILABLE
@@ -96,3 +99,27 @@ def test_advertised_override_reaches_the_roster(
     assert [p.wait_exit(60) for p in procs] == [0, 0]
     roster = procs[0].wait_event(lambda e: e["event"] == "done")["roster"]
     assert {m["host"] for m in roster["members"]} == {"127.0.0.1"}
+
+
+def test_ctrl_c_stops_the_embedded_etcd() -> None:
+    """`coordinator etcd` serves until SIGINT, then stops its etcd child and exits."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "etcd"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().strip()
+        with Etcd(endpoint, connect_timeout=5) as etcd:
+            assert etcd.put("/k", "v") > 0
+        children = psutil.Process(proc.pid).children()
+        assert [c.name() for c in children] == ["etcd"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, "etcd outlived the command"
+    finally:
+        proc.kill()
+        proc.wait()

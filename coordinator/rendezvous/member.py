@@ -214,7 +214,7 @@ class Member:
             claim.create_revision,
             on_events=lambda events: _first(is_mine(e.value) for e in events if e.kind == "put"),
             recheck=lambda: _maybe(self.etcd.get(self.keys.elected), lambda kv: is_mine(kv.value)),
-            missing=self._unclaimed_ranks,
+            missing=lambda: self._missing_ranks(self.keys.members),
         )
         self._record(arrived)
         return rank
@@ -227,16 +227,16 @@ class Member:
             )
             if created:
                 return guess, current, count
-            members, _ = self.etcd.get_prefix(self.keys.members)
-            free = sorted(set(range(self.world_size)) - {rank_of(m.key) for m in members})
+            free = self._missing_ranks(self.keys.members)
             if not free:
                 break
             guess = free[0]
         raise JobFull(f"job '{self.job_id}': all {self.world_size} ranks are taken")
 
-    def _unclaimed_ranks(self) -> list[int]:
-        members, _ = self.etcd.get_prefix(self.keys.members)
-        return sorted(set(range(self.world_size)) - {rank_of(m.key) for m in members})
+    def _missing_ranks(self, prefix: str) -> list[int]:
+        """Ranks with no key under `prefix` (keys end in the rank)."""
+        present = {rank_of(kv.key) for kv in self.etcd.get_prefix(prefix)[0]}
+        return sorted(set(range(self.world_size)) - present)
 
     @fenced
     def ip_exchange(self) -> Roster:
@@ -270,7 +270,7 @@ class Member:
             revision,
             on_events=lambda events: _first(is_ours(e.value) for e in events if e.kind == "put"),
             recheck=lambda: _maybe(self.etcd.get(self.keys.roster), lambda kv: is_ours(kv.value)),
-            missing=lambda: "the leader's roster",
+            missing=lambda: self._missing_ranks(self.keys.addresses) or "the leader's roster",
         )
         self._record(arrived)
         return self.roster
@@ -305,8 +305,12 @@ class Member:
         created, current_kv, _ = self.etcd.create(
             self.keys.roster, roster.model_dump_json(), self._lease()
         )
-        if not created and Roster.model_validate_json(current_kv.value).round == self.round:
-            raise RendezvousError(f"job '{self.job_id}': another leader wrote this round's roster")
+        if not created:
+            other = Roster.model_validate_json(current_kv.value).round
+            raise RendezvousError(
+                f"job '{self.job_id}': a roster of round {other} already exists "
+                f"(this is round {self.round}); it expires with its leader's lease"
+            )
 
     @fenced
     def connect(self) -> None:
@@ -350,16 +354,12 @@ class Member:
         if count >= self.world_size:  # the last arrival opens the gate for everyone
             self.etcd.put(base + "ready", str(self.round), lease)
 
-        def arrived_ranks() -> list[int]:
-            done = {rank_of(kv.key) for kv in self.etcd.get_prefix(base + "arrived/")[0]}
-            return sorted(set(range(self.world_size)) - done)
-
         self._wait(
             base + "ready",
             revision,
             on_events=lambda events: True if any(e.kind == "put" for e in events) else None,
             recheck=lambda: True if self.etcd.get(base + "ready") else None,
-            missing=arrived_ranks,
+            missing=lambda: self._missing_ranks(base + "arrived/"),
         )
         self._record(arrived)
 
