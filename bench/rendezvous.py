@@ -31,7 +31,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.rendezvous.member import Member
 
-console = Console()
+console = Console(width=150)
 
 
 def measure_ours(n: int, endpoint: str, timeout: float = 300.0) -> tuple[float, float]:
