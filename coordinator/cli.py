@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.jobs import JOB_KINDS
+from coordinator.jobs import JOB_KINDS, parse_params
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
 from coordinator.worker import EXIT_CODES, EXIT_INTERRUPTED, WorkerOptions, run_worker
@@ -52,6 +52,12 @@ TtlOption = Annotated[
 TimeoutOption = Annotated[
     float, typer.Option(min=0.1, help="deadline of each phase's wait, in seconds")
 ]
+ParamOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        envvar="COORDINATOR_PARAMS", help="job parameter KEY=VALUE (repeat, or comma-separate)"
+    ),
+]
 ConnectTimeoutOption = Annotated[
     float, typer.Option(min=0.1, help="give up on reaching etcd after this many seconds")
 ]
@@ -84,8 +90,13 @@ def worker(
         int,
         typer.Option(envvar="COORDINATOR_PORT", min=0, max=65535, help="endpoint port (0: any)"),
     ] = 0,
+    param: ParamOption = None,
 ) -> None:
     """Run one member of a job: the entrypoint of a worker container."""
+    try:
+        params = parse_params(param or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--param") from None
     code = run_worker(
         WorkerOptions(
             job_id=job,
@@ -98,6 +109,7 @@ def worker(
             connect_timeout=connect_timeout,
             advertise_address=advertise_address,
             port=port,
+            params=params,
         )
     )
     raise typer.Exit(code)
@@ -124,6 +136,7 @@ def run(
     ttl: TtlOption = 10,
     timeout: TimeoutOption = 300.0,
     connect_timeout: ConnectTimeoutOption = 10.0,
+    param: ParamOption = None,
 ) -> None:
     """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
     job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
@@ -135,6 +148,7 @@ def run(
                 "--job", job_id, "--world-size", str(workers), "--etcd", endpoint,
                 "--kind", kind.value, "--namespace", namespace, "--ttl", str(ttl),
                 "--timeout", str(timeout), "--connect-timeout", str(connect_timeout),
+                *(arg for p in param or [] for arg in ("--param", p)),
             ]  # fmt: skip
             console.print(f"job [bold]{job_id}[/bold]: {workers} {kind.value} workers")
             launcher = LocalLauncher(workers, args)

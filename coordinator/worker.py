@@ -12,7 +12,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -61,6 +61,7 @@ class WorkerOptions:
     connect_timeout: float = 10.0
     advertise_address: str | None = None
     port: int = 0
+    params: dict[str, str] = field(default_factory=dict)
 
 
 class Terminated(BaseException):
@@ -115,7 +116,7 @@ def run_worker(options: WorkerOptions) -> int:
             emit("phase", phase="ip_exchange", rank=member.rank)
             member.connect()
             emit("phase", phase="connect", rank=member.rank)
-            result = JOB_KINDS[options.kind](member)
+            result = JOB_KINDS[options.kind](member, options.params)
             member.barrier("training")
             emit("phase", phase="training", rank=member.rank)
             member.cleaner()
