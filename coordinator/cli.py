@@ -47,10 +47,18 @@ NamespaceOption = Annotated[
     str, typer.Option(envvar="COORDINATOR_NAMESPACE", help="key prefix of this deployment")
 ]
 TtlOption = Annotated[
-    int, typer.Option(min=2, help="lease TTL in seconds: a dead member is noticed within it")
+    int,
+    typer.Option(
+        envvar="COORDINATOR_TTL",
+        min=2,
+        help="lease TTL in seconds: a dead member is noticed within it",
+    ),
 ]
 TimeoutOption = Annotated[
-    float, typer.Option(min=0.1, help="deadline of each phase's wait, in seconds")
+    float,
+    typer.Option(
+        envvar="COORDINATOR_TIMEOUT", min=0.1, help="deadline of each phase's wait, in seconds"
+    ),
 ]
 ParamOption = Annotated[
     list[str] | None,
@@ -59,7 +67,12 @@ ParamOption = Annotated[
     ),
 ]
 ConnectTimeoutOption = Annotated[
-    float, typer.Option(min=0.1, help="give up on reaching etcd after this many seconds")
+    float,
+    typer.Option(
+        envvar="COORDINATOR_CONNECT_TIMEOUT",
+        min=0.1,
+        help="give up on reaching etcd after this many seconds",
+    ),
 ]
 
 
@@ -231,3 +244,40 @@ def exit_codes() -> None:
     """List the worker's exit codes and what each means."""
     for code, meaning in EXIT_CODES.items():
         print(f"{code:>4}  {meaning}")
+
+
+@app.command("k8s")
+def k8s_manifests(
+    workers: Annotated[int, typer.Option(help="number of workers N (pods of the Indexed Job)")],
+    job: Annotated[str, typer.Option(help="job id shared by the members")],
+    image: Annotated[str, typer.Option(help="worker image")] = "etcd-coordinator:latest",
+    etcd: Annotated[
+        str | None,
+        typer.Option(
+            "--etcd",
+            help="external etcd HOST:PORT[,...]; leaves the bundled etcd out [bundled]",
+            show_default=False,
+        ),
+    ] = None,
+    kind: Annotated[JobKind, typer.Option(help="job kind")] = "noop",  # type: ignore[assignment]
+    namespace: Annotated[str, typer.Option(help="key prefix of this deployment")] = "/coordinator",
+) -> None:
+    """Print Kubernetes manifests for one job: `coordinator k8s ... | kubectl apply -f -`."""
+    # Imported here: the manifests are only needed by this command.
+    from coordinator.deploy import k8s as k8s_deploy
+
+    try:
+        docs = k8s_deploy.render(
+            workers=workers,
+            job=job,
+            image=image,
+            etcd=etcd,
+            namespace_prefix=namespace,
+            kind=kind.value,
+        )
+    except k8s_deploy.InvalidValue as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{exc.field}") from None
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    print(k8s_deploy.dump(docs), end="")

