@@ -135,7 +135,7 @@ def test_leader_stops_probing_a_member_that_is_lost(
             m.close()  # ...and so is its lease
             return "gone"
         started = time.monotonic()
-        with pytest.raises(MemberLost, match="member rank 1 was lost during phase 'connect'"):
+        with pytest.raises(MemberLost, match="member rank 1 was lost during phase"):
             m.connect()
         return f"{time.monotonic() - started:.1f}"
 

@@ -158,9 +158,9 @@ def test_phase_deadline_names_the_missing_ranks(
     stalled_rank = stalled.wait_event(lambda e: e["event"] == "stopped")["rank"]
     # The first to time out leaves; the other may see that departure first, as a
     # MemberLost that repeats the timeout. Either way the stalled rank is named.
-    codes = sorted(w.wait_exit(timeout=30) for w in workers)
-    assert codes[0] == RendezvousTimeout.exit_code
-    assert codes[1] in (RendezvousTimeout.exit_code, MemberLost.exit_code)
+    codes = [w.wait_exit(timeout=30) for w in workers]
+    assert RendezvousTimeout.exit_code in codes
+    assert set(codes) <= {RendezvousTimeout.exit_code, MemberLost.exit_code}
     for w in workers:
         message = w.wait_event(lambda e: e["event"] == "failed")["message"]
         assert f"phase 'training' timed out after 3s waiting for ranks {stalled_rank}" in message

@@ -154,6 +154,9 @@ class Member:
         self._liveness: Watch | None = None
         self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._trouble = threading.Event()  # a member or our lease is lost: stop retrying
+        # rank -> (its last state, our phase when we saw it go); kept, so a loss seen
+        # during a wait that still succeeded fails every later wait at once.
+        self._lost: dict[int, tuple[dict[str, Any], str]] = {}
         self._barrier_uses: Counter[str] = Counter()
         self._wait_token = 0
 
@@ -391,9 +394,12 @@ class Member:
                 state = json.loads(event.prev_value)
             except ValueError:
                 state = {}
-            if state.get("state") != "left":
+            rank = rank_of(event.key)
+            # Leaving is normal only after the cleaner barrier, which we are then in.
+            if state.get("state") != "left" or self.phase != "cleaner":
+                self._lost.setdefault(rank, (state, self.phase))
                 self._trouble.set()
-            self._inbox.put(("member", rank_of(event.key), state))
+            self._inbox.put(("member", rank, state))
 
     def _on_session_lost(self, reason: str) -> None:
         self._trouble.set()
@@ -414,6 +420,7 @@ class Member:
         `recheck` reads the condition directly; it settles races between a
         member's departure and the event that would have let us pass.
         """
+        self._raise_if_lost()
         self._wait_token += 1
         token = self._wait_token
         deadline = time.monotonic() + self.timeout
@@ -451,9 +458,14 @@ class Member:
                     result = recheck()
                     if result is not None:
                         return result
-                    raise MemberLost(rank, self.phase, _loss_reason(state))
+                    self._raise_if_lost()
         finally:
             watch.cancel()
+
+    def _raise_if_lost(self) -> None:
+        if self._lost:
+            rank, (state, phase) = next(iter(self._lost.items()))
+            raise MemberLost(rank, phase, _loss_reason(state))
 
     # -- bookkeeping ------------------------------------------------------
 
