@@ -88,16 +88,14 @@ def run_worker(options: WorkerOptions) -> int:
         check_name("job id", options.job_id)
         parse_endpoints(options.etcd)
     except ValueError as exc:
-        return _fail("init", exc, EXIT_USAGE)
+        return _fail(exc, EXIT_USAGE)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         etcd = Etcd(
             options.etcd, namespace=options.namespace, connect_timeout=options.connect_timeout
         )
-    except (EtcdUnavailable, ValueError) as exc:
-        return _fail(
-            "etcd_connect", exc, EXIT_ETCD_UNAVAILABLE if isinstance(exc, EtcdError) else EXIT_USAGE
-        )
+    except EtcdError as exc:
+        return _fail(exc, EXIT_ETCD_UNAVAILABLE, phase="etcd_connect")
     member: Member | None = None
     try:
         member = Member(
@@ -125,20 +123,23 @@ def run_worker(options: WorkerOptions) -> int:
         emit("done", rank=member.rank, roster=roster.model_dump(), result=result, timeline=timeline)
         return EXIT_OK
     except RendezvousError as exc:
-        return _fail(member.phase if member else "init", exc, exc.exit_code, member)
+        return _fail(exc, exc.exit_code, member)
     except EtcdUnavailable as exc:
-        return _fail(member.phase if member else "init", exc, EXIT_ETCD_UNAVAILABLE, member)
+        return _fail(exc, EXIT_ETCD_UNAVAILABLE, member)
     except (KeyboardInterrupt, Terminated) as exc:
-        return _fail(member.phase if member else "init", exc, EXIT_INTERRUPTED, member)
-    except ValueError as exc:
-        return _fail("init", exc, EXIT_USAGE, member)
+        return _fail(exc, EXIT_INTERRUPTED, member)
+    except ValueError as exc:  # a bad job parameter or argument
+        return _fail(exc, EXIT_USAGE, member)
     except Exception as exc:
-        return _fail(member.phase if member else "init", exc, EXIT_ERROR, member)
+        return _fail(exc, EXIT_ERROR, member)
     finally:
         etcd.close()
 
 
-def _fail(phase: str, error: object, code: int, member: Member | None = None) -> int:
+def _fail(
+    error: BaseException, code: int, member: Member | None = None, phase: str | None = None
+) -> int:
+    phase = phase or (member.phase if member else "init")
     rank = member.rank if member else None
     name = type(error).__name__
     message = str(error) or name
