@@ -41,7 +41,8 @@ def extra_steps(fastest: Pushes, slowest: Pushes, now: float, s_low: int, s_high
     slowest_next = slowest.last_push + slowest.interval
     if slowest_next <= now:
         return 0
-    return min(room, int((slowest_next - now) // fastest.interval))
+    # min before int(): a tiny interval makes the quotient inf, which int() rejects
+    return int(min(room, (slowest_next - now) // fastest.interval))
 
 
 @dataclass
