@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coordinator.jobs import noop
+from coordinator.jobs import noop, steps
 from coordinator.rendezvous.member import Member
 
 #: A job gets its member (rank, roster, barriers) and its parameters, and returns
@@ -25,4 +25,4 @@ def parse_params(items: list[str]) -> dict[str, str]:
     return params
 
 
-JOB_KINDS: dict[str, JobFunction] = {"noop": noop.run}
+JOB_KINDS: dict[str, JobFunction] = {"noop": noop.run, "steps": steps.run}

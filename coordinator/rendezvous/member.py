@@ -158,6 +158,9 @@ class Member:
         # during a wait that still succeeded fails every later wait at once.
         self._lost: dict[int, tuple[dict[str, Any], str]] = {}
         self._barrier_uses: Counter[str] = Counter()
+        # Lost ranks the job carries on without (see `carry_on_without_lost`).
+        self._excused: set[int] = set()
+        self._tolerate_loss = False
         self._wait_token = 0
 
     # -- the phases -------------------------------------------------------
@@ -354,14 +357,25 @@ class Member:
         revision, count = self.etcd.put_and_count(
             f"{base}arrived/{rank:06d}", json.dumps({"t": arrived}), lease, base + "arrived/"
         )
-        if count >= self.world_size:  # the last arrival opens the gate for everyone
+        if count >= self.world_size - len(self._excused):  # the last arrival opens the gate
             self.etcd.put(base + "ready", str(self.round), lease)
+
+        def recheck() -> bool | None:
+            if self.etcd.get(base + "ready"):
+                return True
+            # A member we carry on without has gone: the rest may now be complete.
+            if self._excused and self.etcd.count_prefix(base + "arrived/") >= (
+                self.world_size - len(self._excused)
+            ):
+                self.etcd.put(base + "ready", str(self.round), lease)
+                return True
+            return None
 
         self._wait(
             base + "ready",
             revision,
             on_events=lambda events: True if any(e.kind == "put" for e in events) else None,
-            recheck=lambda: True if self.etcd.get(base + "ready") else None,
+            recheck=recheck,
             missing=lambda: self._missing_ranks(base + "arrived/"),
         )
         self._record(arrived)
@@ -397,8 +411,11 @@ class Member:
             rank = rank_of(event.key)
             # Leaving is normal only after the cleaner barrier, which we are then in.
             if state.get("state") != "left" or self.phase != "cleaner":
-                self._lost.setdefault(rank, (state, self.phase))
-                self._trouble.set()
+                if self._tolerate_loss:
+                    self._excused.add(rank)
+                else:
+                    self._lost.setdefault(rank, (state, self.phase))
+                    self._trouble.set()
             self._inbox.put(("member", rank, state))
 
     def _on_session_lost(self, reason: str) -> None:
@@ -461,6 +478,31 @@ class Member:
                     self._raise_if_lost()
         finally:
             watch.cancel()
+
+    # -- for jobs that wait on keys of their own (step barriers) ----------
+
+    @property
+    def lease_id(self) -> int:
+        """This member's lease: a job binds its own keys to it so they die with the member."""
+        return self._lease()
+
+    def on_session_lost(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` once when this member's own lease is lost."""
+        if self._session is None:
+            raise RendezvousError("this member has no session (not joined, or already left)")
+        self._session.on_lost(listener)
+
+    def carry_on_without_lost(self) -> None:
+        """From now on a lost member leaves the job instead of failing it: later barriers
+        wait only for the others (a step job's `on_loss=continue`)."""
+        self._tolerate_loss = True
+        self._excused.update(self._lost)
+        self._lost.clear()
+
+    def raise_if_lost(self) -> None:
+        """Raise MemberLost (or SessionLost) if this member has seen a loss; else nothing."""
+        self._lease()
+        self._raise_if_lost()
 
     def _raise_if_lost(self) -> None:
         if self._lost:

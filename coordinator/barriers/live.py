@@ -1,0 +1,358 @@
+"""The step barrier on etcd: each worker's clock is a key bound to its lease.
+
+Keys, under `<ns>/jobs/<job>/steps/`:
+
+- `<round>/clocks/<rank>`: `{"clock", "t", "interval", "done"}`: completed
+  steps, wall time of the last push, the mean of recent step intervals (what
+  DSSP predicts from), and whether the worker has finished. Leased, so a dead
+  worker's clock vanishes and the others see it leave.
+- `dssp/<rank>`: DSSP's credit (`remaining`, `granted_this_episode`). Not
+  leased and not per round, so a restarted member continues its episode.
+
+Decisions are `policy.may_start` and `dssp.decide`; this module only gathers
+the clocks they need, and waits with watches, never by polling:
+
+- BSP, SSP and DSSP need every clock: one watch on the clocks prefix for the
+  whole run keeps a local view, so a check costs no reads at all.
+- pBSP and pSSP draw one sample of beta live peers per step (`PER_STEP`), read
+  those beta keys, and if they must wait, watch only those keys: O(beta) reads
+  and watches per check, whatever P is.
+- ASP reads nothing.
+
+A finished worker (`done`) no longer constrains anyone: nothing it will do can
+change, so waiting for it would hang (the early-finisher pitfall of seed 000).
+A lost peer (its lease ended) fails the step with `MemberLost` naming it, or,
+with `OnLoss.CONTINUE`, leaves the barrier set and the rest carry on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps
+from coordinator.barriers.policy import BarrierSpec, Method, draw_sample, may_start
+from coordinator.etcd.client import LeaseNotFound, Watch, WatchEvent
+from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
+from coordinator.rendezvous.member import Member, rank_of
+
+
+class OnLoss(StrEnum):
+    FAIL = "fail"  # a lost peer fails the job at once, naming it
+    CONTINUE = "continue"  # a lost peer leaves the barrier set; the rest carry on
+
+
+@dataclass(frozen=True)
+class Clock:
+    """One worker's published state."""
+
+    clock: int
+    t: float = 0.0
+    interval: float = 0.0
+    done: bool = False
+
+    @classmethod
+    def parse(cls, value: bytes) -> Clock:
+        data = json.loads(value)
+        return cls(int(data["clock"]), data["t"], data["interval"], bool(data["done"]))
+
+    def dump(self) -> str:
+        return json.dumps(
+            {"clock": self.clock, "t": self.t, "interval": self.interval, "done": self.done}
+        )
+
+
+@dataclass(frozen=True)
+class Passage:
+    """What a worker saw when it passed the barrier before step `clock + 1`."""
+
+    clock: int
+    observed: dict[int, int]  # rank -> clock, the unfinished peers the decision looked at
+    waited: float  # seconds spent waiting
+
+
+@dataclass
+class _Counters:
+    checks: int = 0
+    reads: int = 0
+    watches: int = 0
+    waits: int = 0
+    lost: list[int] = field(default_factory=list)
+
+
+class LiveBarrier:
+    """One worker's side of a step barrier; call `start`, then `wait_turn`/`complete` per step."""
+
+    def __init__(
+        self,
+        member: Member,
+        spec: BarrierSpec,
+        *,
+        on_loss: OnLoss = OnLoss.FAIL,
+        start_clock: int = 0,
+        seed: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.spec = spec.validate()
+        self.member = member
+        self.etcd = member.etcd
+        if member.rank is None:
+            raise ValueError("the member must have joined (rendezvous) before a step barrier")
+        self.rank: int = member.rank
+        self.on_loss = on_loss
+        self.timeout = member.timeout if timeout is None else timeout
+        self.root = member.keys.job + "steps/"
+        self.prefix = f"{self.root}{member.round}/clocks/"
+        self.clock = start_clock
+        self.live = set(range(member.world_size)) - {self.rank}  # peers still in the set
+        self.counters = _Counters()
+        self._rng = random.Random(seed if seed is not None else member.round * 100003 + self.rank)
+        self._intervals: deque[float] = deque(maxlen=5)
+        self._last_push = time.time()
+        self._view: dict[int, Clock] = {}  # every peer's clock (full-view methods)
+        self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._token = 0
+        self._watches: list[Watch] = []
+        self._credit = Credit()
+        self._full_view = spec.method in (Method.BSP, Method.SSP, Method.DSSP)
+
+    # -- keys -------------------------------------------------------------
+
+    def clock_key(self, rank: int) -> str:
+        return f"{self.prefix}{rank:06d}"
+
+    def credit_key(self) -> str:
+        return f"{self.root}dssp/{self.rank:06d}"
+
+    # -- lifecycle --------------------------------------------------------
+
+    def start(self) -> None:
+        """Publish the start clock, then the start barrier: everyone begins together."""
+        revision = self._publish(done=False)
+        # Any loss from here on is seen: the member's own barrier covers the time before.
+        self._watches.append(
+            self.etcd.watch(
+                self.member.keys.members,
+                lambda events: self._inbox.put(("members", events)),
+                revision + 1,
+                prefix=True,
+                only_deletes=True,
+            )
+        )
+        self.member.on_session_lost(lambda reason: self._inbox.put(("session", reason)))
+        self.member.barrier("steps-start")
+        if self.spec.method == Method.DSSP:
+            kv = self.etcd.get(self.credit_key())
+            if kv is not None:
+                data = json.loads(kv.value)
+                self._credit = Credit(data["remaining"], data["granted_this_episode"])
+        if self._full_view:
+            clocks, revision = self.etcd.get_prefix(self.prefix)
+            for kv in clocks:
+                self._view[rank_of(kv.key)] = Clock.parse(kv.value)
+            for rank in sorted(self.live - set(self._view)):
+                self._peer_lost(rank, "its clock vanished before the first step")
+            self._watches.append(
+                self.etcd.watch(
+                    self.prefix, lambda events: self._inbox.put(("view", events)), revision + 1,
+                    prefix=True,
+                )
+            )  # fmt: skip
+
+    def complete(self) -> None:
+        """One more step done: publish the new clock (one put)."""
+        now = time.time()
+        self._intervals.append(now - self._last_push)
+        self._last_push = now
+        self.clock += 1
+        self._publish(done=False)
+
+    def finish(self) -> None:
+        """Say this worker is done, so nobody waits for it, and stop watching."""
+        self._publish(done=True)
+        self.close()
+
+    def close(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
+        self._watches.clear()
+
+    def _publish(self, done: bool) -> int:
+        interval = sum(self._intervals) / len(self._intervals) if self._intervals else 0.0
+        value = Clock(self.clock, self._last_push, interval, done).dump()
+        try:
+            return self.etcd.put(self.clock_key(self.rank), value, self.member.lease_id)
+        except LeaseNotFound as exc:
+            raise SessionLost("this member's etcd lease is gone (etcd refused its clock)") from exc
+
+    # -- the decision -----------------------------------------------------
+
+    def wait_turn(self) -> Passage:
+        """Block until this worker may start step `clock + 1`, as the method says."""
+        started = time.monotonic()
+        self._drain()
+        if self.spec.method == Method.ASP:
+            passage = Passage(self.clock, {}, 0.0)
+        elif self._full_view:
+            passage = self._wait_full(started)
+        else:
+            passage = self._wait_sampled(started)
+        self.counters.checks += 1
+        return passage
+
+    def _unfinished(self) -> dict[int, Clock]:
+        return {r: c for r, c in self._view.items() if r in self.live and not c.done}
+
+    def _decide_full(self) -> dict[int, int] | None:
+        """The clocks passed on, or None to wait (BSP/SSP: may_start; DSSP: decide)."""
+        others = self._unfinished()
+        observed = {r: c.clock for r, c in others.items()}
+        if self.spec.method != Method.DSSP:
+            return observed if may_start(self.clock, observed.values(), self.spec.bound) else None
+        if not others:
+            return observed
+        slow_rank = min(others, key=lambda r: (others[r].clock, r))
+        slowest = others[slow_rank]
+        is_fastest = self.clock >= max(c.clock for c in others.values())
+        grant = 0
+        s_low, s_high = self.spec.staleness, self.spec.staleness_upper
+        if is_fastest and self.clock - slowest.clock > s_low:
+            me = Pushes(self.clock, self._last_push, self._mean_interval())
+            them = Pushes(slowest.clock, slowest.t, slowest.interval)
+            grant = extra_steps(me, them, time.time(), s_low, s_high)
+        before = (self._credit.remaining, self._credit.granted_this_episode)
+        passed = decide(self.clock, slowest.clock, is_fastest, self._credit, grant, s_low)
+        if (self._credit.remaining, self._credit.granted_this_episode) != before:
+            credit = {
+                "remaining": self._credit.remaining,
+                "granted_this_episode": self._credit.granted_this_episode,
+            }
+            self.etcd.put(self.credit_key(), json.dumps(credit))
+        return observed if passed else None
+
+    def _mean_interval(self) -> float:
+        return sum(self._intervals) / len(self._intervals) if self._intervals else 0.0
+
+    def _wait_full(self, started: float) -> Passage:
+        deadline = started + self.timeout
+        while True:
+            observed = self._decide_full()
+            if observed is not None:
+                return Passage(self.clock, observed, time.monotonic() - started)
+            self.counters.waits += 1
+            # Block until the view changes, then decide again.
+            self._handle(self._next(deadline, lambda: sorted(self._unfinished())))
+
+    def _wait_sampled(self, started: float) -> Passage:
+        deadline = started + self.timeout
+        sample = draw_sample(self._rng, sorted(self.live), self.spec.sample)
+        seen: dict[int, Clock] = {}
+        revisions: dict[int, int] = {}
+        for rank in sample:
+            kv = self.etcd.get(self.clock_key(rank))
+            self.counters.reads += 1
+            if kv is None:
+                self._peer_lost(rank, "its clock key is gone (its lease ended)")
+                continue
+            seen[rank] = Clock.parse(kv.value)
+            revisions[rank] = kv.mod_revision
+
+        def observed() -> dict[int, int]:
+            return {r: c.clock for r, c in seen.items() if r in self.live and not c.done}
+
+        if may_start(self.clock, observed().values(), self.spec.bound):
+            return Passage(self.clock, observed(), time.monotonic() - started)
+        self.counters.waits += 1
+        self._token += 1
+        token = self._token
+        watches = []
+        try:
+            for rank in seen:
+                watches.append(
+                    self.etcd.watch(
+                        self.clock_key(rank),
+                        lambda events: self._inbox.put(("sample", token, events)),
+                        revisions[rank] + 1,
+                    )
+                )
+                self.counters.watches += 1
+            while True:
+                item = self._next(deadline, lambda: sorted(observed()))
+                if item[0] == "sample" and item[1] == token:
+                    for event in item[2]:
+                        rank = rank_of(event.key)
+                        if event.kind == "put":
+                            seen[rank] = Clock.parse(event.value)
+                        else:
+                            self._peer_lost(rank, "its lease ended (the process died)")
+                else:
+                    self._handle(item)
+                if may_start(self.clock, observed().values(), self.spec.bound):
+                    return Passage(self.clock, observed(), time.monotonic() - started)
+        finally:
+            for watch in watches:
+                watch.cancel()
+
+    # -- events -----------------------------------------------------------
+
+    def _next(self, deadline: float, blocking: Any) -> tuple[Any, ...]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RendezvousTimeout(f"steps (clock {self.clock})", self.timeout, blocking())
+        try:
+            return self._inbox.get(timeout=remaining)
+        except queue.Empty:
+            raise RendezvousTimeout(
+                f"steps (clock {self.clock})", self.timeout, blocking()
+            ) from None
+
+    def _drain(self) -> None:
+        """Apply whatever arrived since the last step (losses first of all)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(item)
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == "session":
+            raise SessionLost(f"this member's etcd lease is lost ({item[1]}) during the steps")
+        if kind == "members":
+            for event in item[1]:
+                self._peer_lost(rank_of(event.key), _reason(event))
+        elif kind == "view":
+            for event in item[1]:
+                rank = rank_of(event.key)
+                if event.kind == "put":
+                    self._view[rank] = Clock.parse(event.value)
+                elif rank != self.rank:
+                    self._peer_lost(rank, "its clock key vanished (its lease ended)")
+
+    def _peer_lost(self, rank: int, reason: str) -> None:
+        if rank == self.rank:
+            raise SessionLost("this member's own key vanished during the steps")
+        if rank not in self.live:
+            return
+        if self.on_loss == OnLoss.FAIL:
+            raise MemberLost(rank, f"steps (clock {self.clock})", reason)
+        self.live.discard(rank)
+        self._view.pop(rank, None)
+        self.counters.lost.append(rank)
+
+
+def _reason(event: WatchEvent) -> str:
+    state: dict[str, Any] = {}
+    with contextlib.suppress(ValueError):
+        state = json.loads(event.prev_value)
+    if state.get("state") == "failed":
+        return f"it failed in phase '{state.get('phase')}': {state.get('reason')}"
+    return "its lease ended (the process died or lost contact with etcd)"

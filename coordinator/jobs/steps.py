@@ -1,0 +1,191 @@
+"""The `steps` job: iterative "training" steps paced by a step barrier on etcd.
+
+Each worker loops: wait for its turn (the method's rule), do one step (a
+sleep of `step_seconds`, `straggler_factor` times longer on `straggler_rank`),
+publish its clock. It returns what it saw at every passage, so the method's
+rule can be checked from recorded clocks.
+
+Stop conditions mean what they say (seed 000: TensorFlow's per-worker
+`num_steps` counted from a shared global step made late workers train longer):
+
+- `last_step=T`: an absolute target on the worker's own clock; it stops when
+  its clock reaches T, whenever it started or restarted.
+- `num_steps=N`: exactly N steps per worker, counted on its own clock.
+
+Each worker's progress is kept in `<job>/steps/progress/<rank>` (not leased):
+`{"clock", "target"}`. A restarted worker resumes from its clock with the
+target fixed at its first start, so a restart neither repeats nor adds steps.
+Everyone passes a start barrier first, so all begin together; a finished
+worker says so and stops constraining the others, so nobody hangs on it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+from coordinator.barriers.live import LiveBarrier, OnLoss
+from coordinator.barriers.policy import BarrierSpec, Method
+
+if TYPE_CHECKING:
+    from coordinator.rendezvous.member import Member
+
+KNOWN = {
+    "method": "bsp|ssp|asp|pbsp|pssp|dssp",
+    "staleness": "SSP/pSSP s, DSSP S_L",
+    "staleness_upper": "DSSP S_U",
+    "sample": "pBSP/pSSP beta",
+    "num_steps": "steps per worker",
+    "last_step": "absolute final clock",
+    "step_seconds": "seconds per step",
+    "straggler_rank": "rank slowed down",
+    "straggler_factor": "its slowdown",
+    "on_loss": "fail|continue",
+    "seed": "sample seed",
+}
+
+
+def _int(params: dict[str, str], name: str, default: int | None = None) -> int | None:
+    if name not in params:
+        return default
+    try:
+        return int(params[name])
+    except ValueError:
+        value = params[name]
+        raise ValueError(f"steps job: parameter {name}={value!r} is not an integer") from None
+
+
+def _float(params: dict[str, str], name: str, default: float) -> float:
+    if name not in params:
+        return default
+    try:
+        value = float(params[name])
+    except ValueError:
+        raise ValueError(f"steps job: parameter {name}={params[name]!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"steps job: parameter {name} must be >= 0, got {params[name]!r}")
+    return value
+
+
+def parse(params: dict[str, str], world_size: int) -> dict[str, object]:
+    """Check every parameter before any waiting; a ValueError names the bad field."""
+    unknown = set(params) - set(KNOWN)
+    if unknown:
+        raise ValueError(
+            f"steps job: unknown parameter(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(KNOWN)})"
+        )
+    if "method" not in params:
+        raise ValueError("steps job: parameter method is required (bsp|ssp|asp|pbsp|pssp|dssp)")
+    try:
+        method = Method(params["method"].lower())
+    except ValueError:
+        raise ValueError(
+            f"steps job: parameter method={params['method']!r} is not one of "
+            f"{', '.join(m.value for m in Method)}"
+        ) from None
+    try:
+        spec = BarrierSpec(
+            method,
+            staleness=_int(params, "staleness", 0) or 0,
+            sample=_int(params, "sample", 0) or 0,
+            staleness_upper=_int(params, "staleness_upper", 0) or 0,
+        ).validate()
+    except ValueError as exc:
+        raise ValueError(f"steps job: {exc}") from None
+    num_steps, last_step = _int(params, "num_steps"), _int(params, "last_step")
+    if (num_steps is None) == (last_step is None):
+        raise ValueError("steps job: give exactly one of num_steps and last_step")
+    for name, value in (("num_steps", num_steps), ("last_step", last_step)):
+        if value is not None and value < 0:
+            raise ValueError(f"steps job: parameter {name} must be >= 0, got {value}")
+    straggler = _int(params, "straggler_rank")
+    if straggler is not None and not 0 <= straggler < world_size:
+        raise ValueError(
+            f"steps job: parameter straggler_rank={straggler} is not a rank (0..{world_size - 1})"
+        )
+    if "straggler_factor" in params and straggler is None:
+        raise ValueError("steps job: parameter straggler_factor needs straggler_rank")
+    try:
+        on_loss = OnLoss(params.get("on_loss", "fail"))
+    except ValueError:
+        raise ValueError(
+            f"steps job: parameter on_loss={params['on_loss']!r} is not fail or continue"
+        ) from None
+    return {
+        "spec": spec,
+        "num_steps": num_steps,
+        "last_step": last_step,
+        "step_seconds": _float(params, "step_seconds", 0.0),
+        "straggler_rank": straggler,
+        "straggler_factor": _float(params, "straggler_factor", 1.0),
+        "on_loss": on_loss,
+        "seed": _int(params, "seed"),
+    }
+
+
+def progress_key(member: Member) -> str:
+    return f"{member.keys.job}steps/progress/{member.rank:06d}"
+
+
+def run(member: Member, params: dict[str, str]) -> dict[str, object]:
+    options = parse(params, member.world_size)
+    spec: BarrierSpec = options["spec"]  # type: ignore[assignment]
+    key = progress_key(member)
+    kv = member.etcd.get(key)
+    saved = json.loads(kv.value) if kv is not None else None
+    start = int(saved["clock"]) if saved else 0
+    if saved:
+        target = int(saved["target"])  # fixed at the first start: a restart adds nothing
+    elif options["last_step"] is not None:
+        target = int(options["last_step"])  # type: ignore[call-overload]
+    else:
+        target = start + int(options["num_steps"])  # type: ignore[call-overload]
+    step_seconds = float(options["step_seconds"])  # type: ignore[arg-type]
+    if options["straggler_rank"] == member.rank:
+        step_seconds *= float(options["straggler_factor"])  # type: ignore[arg-type]
+    on_loss = OnLoss(options["on_loss"])
+    if on_loss == OnLoss.CONTINUE:
+        member.carry_on_without_lost()
+    barrier = LiveBarrier(
+        member,
+        spec,
+        on_loss=on_loss,
+        start_clock=start,
+        seed=options["seed"],  # type: ignore[arg-type]
+    )
+    passages: list[list[object]] = []
+    waited = 0.0
+    try:
+        barrier.start()
+        began = time.time()
+        first_step_at: float | None = None
+        while barrier.clock < target:
+            passage = barrier.wait_turn()
+            waited += passage.waited
+            passages.append([passage.clock, passage.observed])
+            if first_step_at is None:
+                first_step_at = time.time()
+            time.sleep(step_seconds)  # the stand-in for one step's compute
+            barrier.complete()
+            member.etcd.put(key, json.dumps({"clock": barrier.clock, "target": target}))
+        barrier.finish()
+    finally:
+        barrier.close()
+    return {
+        "method": str(spec),
+        "rank": member.rank,
+        "start_clock": start,
+        "final_clock": barrier.clock,
+        "target": target,
+        "steps": barrier.clock - start,
+        "wait_seconds": round(waited, 6),
+        "began": began,
+        "first_step_at": first_step_at,
+        "ended": time.time(),
+        "passages": passages,
+        "lost": barrier.counters.lost,
+        "checks": barrier.counters.checks,
+        "reads": barrier.counters.reads,
+    }
