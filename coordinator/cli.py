@@ -17,7 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.jobs import JOB_KINDS, parse_params
+from coordinator.jobs import JOB_KINDS
+from coordinator.jobs.params import parse_params
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
 from coordinator.worker import EXIT_CODES, EXIT_INTERRUPTED, WorkerOptions, run_worker

@@ -27,7 +27,6 @@ with `OnLoss.CONTINUE`, leaves the barrier set and the rest carry on.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import random
@@ -39,9 +38,9 @@ from typing import Any
 
 from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps
 from coordinator.barriers.policy import BarrierSpec, Method, draw_sample, may_start
-from coordinator.etcd.client import LeaseNotFound, Watch, WatchEvent
+from coordinator.etcd.client import LeaseNotFound, Watch
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
-from coordinator.rendezvous.member import Member, rank_of
+from coordinator.rendezvous.member import Member, loss_reason, member_state, rank_of
 
 
 class OnLoss(StrEnum):
@@ -185,8 +184,7 @@ class LiveBarrier:
         self._watches.clear()
 
     def _publish(self, done: bool) -> int:
-        interval = sum(self._intervals) / len(self._intervals) if self._intervals else 0.0
-        value = Clock(self.clock, self._last_push, interval, done).dump()
+        value = Clock(self.clock, self._last_push, self._mean_interval(), done).dump()
         try:
             return self.etcd.put(self.clock_key(self.rank), value, self.member.lease_id)
         except LeaseNotFound as exc:
@@ -328,7 +326,7 @@ class LiveBarrier:
             raise SessionLost(f"this member's etcd lease is lost ({item[1]}) during the steps")
         if kind == "members":
             for event in item[1]:
-                self._peer_lost(rank_of(event.key), _reason(event))
+                self._peer_lost(rank_of(event.key), loss_reason(member_state(event.prev_value)))
         elif kind == "view":
             for event in item[1]:
                 rank = rank_of(event.key)
@@ -347,12 +345,3 @@ class LiveBarrier:
         self.live.discard(rank)
         self._view.pop(rank, None)
         self.counters.lost.append(rank)
-
-
-def _reason(event: WatchEvent) -> str:
-    state: dict[str, Any] = {}
-    with contextlib.suppress(ValueError):
-        state = json.loads(event.prev_value)
-    if state.get("state") == "failed":
-        return f"it failed in phase '{state.get('phase')}': {state.get('reason')}"
-    return "its lease ended (the process died or lost contact with etcd)"

@@ -12,17 +12,4 @@ from coordinator.rendezvous.member import Member
 JobFunction = Callable[[Member, dict[str, str]], dict[str, object]]
 
 
-def parse_params(items: list[str]) -> dict[str, str]:
-    """`["a=1", "b=x"]` (from repeated --param, or one comma-separated string) to a dict."""
-    params = {}
-    for item in (part.strip() for entry in items for part in entry.split(",")):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"job parameter {item!r} is not KEY=VALUE")
-        params[key.strip()] = value.strip()
-    return params
-
-
 JOB_KINDS: dict[str, JobFunction] = {"noop": noop.run, "steps": steps.run}

@@ -11,21 +11,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from coordinator.jobs.params import check_known, float_param
+
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
 
 def run(member: Member, params: dict[str, str]) -> dict[str, object]:
-    unknown = set(params) - {"seconds"}
-    if unknown:
-        raise ValueError(
-            f"noop job: unknown parameter(s) {', '.join(sorted(unknown))} (known: seconds)"
-        )
-    try:
-        seconds = float(params.get("seconds", "0"))
-    except ValueError:
-        raise ValueError(
-            f"noop job: parameter seconds={params['seconds']!r} is not a number"
-        ) from None
+    check_known("noop", params, ["seconds"])
+    seconds = float_param("noop", params, "seconds", 0.0)
     time.sleep(seconds)  # the stand-in for training itself
     return {"seconds": seconds}

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from coordinator.barriers.live import LiveBarrier, OnLoss
 from coordinator.barriers.policy import BarrierSpec, Method
+from coordinator.jobs.params import check_known, float_param, int_param
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
@@ -46,36 +48,21 @@ KNOWN = {
 }
 
 
-def _int(params: dict[str, str], name: str, default: int | None = None) -> int | None:
-    if name not in params:
-        return default
-    try:
-        return int(params[name])
-    except ValueError:
-        value = params[name]
-        raise ValueError(f"steps job: parameter {name}={value!r} is not an integer") from None
+@dataclass(frozen=True)
+class StepOptions:
+    spec: BarrierSpec
+    num_steps: int | None
+    last_step: int | None
+    step_seconds: float
+    straggler_rank: int | None
+    straggler_factor: float
+    on_loss: OnLoss
+    seed: int | None
 
 
-def _float(params: dict[str, str], name: str, default: float) -> float:
-    if name not in params:
-        return default
-    try:
-        value = float(params[name])
-    except ValueError:
-        raise ValueError(f"steps job: parameter {name}={params[name]!r} is not a number") from None
-    if not value >= 0:
-        raise ValueError(f"steps job: parameter {name} must be >= 0, got {params[name]!r}")
-    return value
-
-
-def parse(params: dict[str, str], world_size: int) -> dict[str, object]:
+def parse(params: dict[str, str], world_size: int) -> StepOptions:
     """Check every parameter before any waiting; a ValueError names the bad field."""
-    unknown = set(params) - set(KNOWN)
-    if unknown:
-        raise ValueError(
-            f"steps job: unknown parameter(s) {', '.join(sorted(unknown))} "
-            f"(known: {', '.join(KNOWN)})"
-        )
+    check_known("steps", params, KNOWN)
     if "method" not in params:
         raise ValueError("steps job: parameter method is required (bsp|ssp|asp|pbsp|pssp|dssp)")
     try:
@@ -85,22 +72,25 @@ def parse(params: dict[str, str], world_size: int) -> dict[str, object]:
             f"steps job: parameter method={params['method']!r} is not one of "
             f"{', '.join(m.value for m in Method)}"
         ) from None
+    staleness, sample, upper = (
+        int_param("steps", params, name) or 0 for name in ("staleness", "sample", "staleness_upper")
+    )
     try:
         spec = BarrierSpec(
-            method,
-            staleness=_int(params, "staleness", 0) or 0,
-            sample=_int(params, "sample", 0) or 0,
-            staleness_upper=_int(params, "staleness_upper", 0) or 0,
+            method, staleness=staleness, sample=sample, staleness_upper=upper
         ).validate()
     except ValueError as exc:
         raise ValueError(f"steps job: {exc}") from None
-    num_steps, last_step = _int(params, "num_steps"), _int(params, "last_step")
+    num_steps, last_step = (
+        int_param("steps", params, "num_steps"),
+        int_param("steps", params, "last_step"),
+    )
     if (num_steps is None) == (last_step is None):
         raise ValueError("steps job: give exactly one of num_steps and last_step")
     for name, value in (("num_steps", num_steps), ("last_step", last_step)):
         if value is not None and value < 0:
             raise ValueError(f"steps job: parameter {name} must be >= 0, got {value}")
-    straggler = _int(params, "straggler_rank")
+    straggler = int_param("steps", params, "straggler_rank")
     if straggler is not None and not 0 <= straggler < world_size:
         raise ValueError(
             f"steps job: parameter straggler_rank={straggler} is not a rank (0..{world_size - 1})"
@@ -113,16 +103,16 @@ def parse(params: dict[str, str], world_size: int) -> dict[str, object]:
         raise ValueError(
             f"steps job: parameter on_loss={params['on_loss']!r} is not fail or continue"
         ) from None
-    return {
-        "spec": spec,
-        "num_steps": num_steps,
-        "last_step": last_step,
-        "step_seconds": _float(params, "step_seconds", 0.0),
-        "straggler_rank": straggler,
-        "straggler_factor": _float(params, "straggler_factor", 1.0),
-        "on_loss": on_loss,
-        "seed": _int(params, "seed"),
-    }
+    return StepOptions(
+        spec=spec,
+        num_steps=num_steps,
+        last_step=last_step,
+        step_seconds=float_param("steps", params, "step_seconds", 0.0),
+        straggler_rank=straggler,
+        straggler_factor=float_param("steps", params, "straggler_factor", 1.0),
+        on_loss=on_loss,
+        seed=int_param("steps", params, "seed"),
+    )
 
 
 def progress_key(member: Member) -> str:
@@ -131,29 +121,24 @@ def progress_key(member: Member) -> str:
 
 def run(member: Member, params: dict[str, str]) -> dict[str, object]:
     options = parse(params, member.world_size)
-    spec: BarrierSpec = options["spec"]  # type: ignore[assignment]
+    spec = options.spec
     key = progress_key(member)
     kv = member.etcd.get(key)
     saved = json.loads(kv.value) if kv is not None else None
     start = int(saved["clock"]) if saved else 0
     if saved:
         target = int(saved["target"])  # fixed at the first start: a restart adds nothing
-    elif options["last_step"] is not None:
-        target = int(options["last_step"])  # type: ignore[call-overload]
+    elif options.last_step is not None:
+        target = options.last_step
     else:
-        target = start + int(options["num_steps"])  # type: ignore[call-overload]
-    step_seconds = float(options["step_seconds"])  # type: ignore[arg-type]
-    if options["straggler_rank"] == member.rank:
-        step_seconds *= float(options["straggler_factor"])  # type: ignore[arg-type]
-    on_loss = OnLoss(options["on_loss"])
-    if on_loss == OnLoss.CONTINUE:
+        target = start + (options.num_steps or 0)
+    step_seconds = options.step_seconds
+    if options.straggler_rank == member.rank:
+        step_seconds *= options.straggler_factor
+    if options.on_loss == OnLoss.CONTINUE:
         member.carry_on_without_lost()
     barrier = LiveBarrier(
-        member,
-        spec,
-        on_loss=on_loss,
-        start_clock=start,
-        seed=options["seed"],  # type: ignore[arg-type]
+        member, spec, on_loss=options.on_loss, start_clock=start, seed=options.seed
     )
     passages: list[list[object]] = []
     waited = 0.0

@@ -404,10 +404,7 @@ class Member:
 
     def _on_member_deleted(self, events: list[WatchEvent]) -> None:
         for event in events:
-            try:
-                state = json.loads(event.prev_value)
-            except ValueError:
-                state = {}
+            state = member_state(event.prev_value)
             rank = rank_of(event.key)
             # Leaving is normal only after the cleaner barrier, which we are then in.
             if state.get("state") != "left" or self.phase != "cleaner":
@@ -499,15 +496,10 @@ class Member:
         self._excused.update(self._lost)
         self._lost.clear()
 
-    def raise_if_lost(self) -> None:
-        """Raise MemberLost (or SessionLost) if this member has seen a loss; else nothing."""
-        self._lease()
-        self._raise_if_lost()
-
     def _raise_if_lost(self) -> None:
         if self._lost:
             rank, (state, phase) = next(iter(self._lost.items()))
-            raise MemberLost(rank, phase, _loss_reason(state))
+            raise MemberLost(rank, phase, loss_reason(state))
 
     # -- bookkeeping ------------------------------------------------------
 
@@ -558,7 +550,17 @@ class Member:
         self.close(exc)
 
 
-def _loss_reason(state: dict[str, Any]) -> str:
+def member_state(value: bytes) -> dict[str, Any]:
+    """A member key's value as a dict (empty when it holds no JSON object we know)."""
+    try:
+        state = json.loads(value)
+    except ValueError:
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def loss_reason(state: dict[str, Any]) -> str:
+    """Why a member key vanished, from its last state (a failure records its reason)."""
     if state.get("state") == "failed":
         return f"it failed in phase '{state.get('phase')}': {state.get('reason')}"
     if state.get("state") == "left":

@@ -1,0 +1,54 @@
+"""A job's KEY=VALUE parameters: reading them, with errors that name the job and the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def parse_params(items: list[str]) -> dict[str, str]:
+    """`["a=1", "b=x"]` (from repeated --param, or one comma-separated string) to a dict."""
+    params = {}
+    for item in (part.strip() for entry in items for part in entry.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"job parameter {item!r} is not KEY=VALUE")
+        params[key.strip()] = value.strip()
+    return params
+
+
+def check_known(job: str, params: dict[str, str], known: Iterable[str]) -> None:
+    names = list(known)
+    unknown = set(params) - set(names)
+    if unknown:
+        raise ValueError(
+            f"{job} job: unknown parameter(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(names)})"
+        )
+
+
+def int_param(
+    job: str, params: dict[str, str], name: str, default: int | None = None
+) -> int | None:
+    if name not in params:
+        return default
+    try:
+        return int(params[name])
+    except ValueError:
+        raise ValueError(
+            f"{job} job: parameter {name}={params[name]!r} is not an integer"
+        ) from None
+
+
+def float_param(job: str, params: dict[str, str], name: str, default: float) -> float:
+    """A non-negative number (durations, factors)."""
+    if name not in params:
+        return default
+    try:
+        value = float(params[name])
+    except ValueError:
+        raise ValueError(f"{job} job: parameter {name}={params[name]!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"{job} job: parameter {name} must be >= 0, got {params[name]!r}")
+    return value
