@@ -1,23 +1,26 @@
 """Per-step overhead of the live step barrier with no compute: BSP against pBSP(beta).
 
-P members are threads in one process, each with its own etcd connection (as
-separate workers would have), against an embedded etcd on loopback. After the
-rendezvous and the start barrier, every member runs `--steps` steps of
-`wait_turn` + `complete` with no work in between; the time per step is the
-whole job's wall time over the steps. Operations are the requests each
-member's client sent during the steps (puts, reads, watch creations), per
-worker per step. The floor, measured in the same run: one put and the watch
-notification it causes, seen by another client.
+P members are separate processes, as live workers are, against an embedded
+etcd on loopback. After the rendezvous and the start barrier, every member
+runs `--steps` steps of `wait_turn` + `complete` with no work in between; the
+time per step is the whole job's wall time over the steps. Operations are the
+requests each member's client sent during the steps (transactions, puts,
+reads, watch creations), per worker per step. The floor, measured in the same
+run: one put and the watch notification it causes, seen by another client.
 
     python bench/barriers.py                       # P = 4, 16, 64
     python bench/barriers.py --sizes 4,16 --steps 100 --beta 4
 
-Threads share one Python interpreter (GIL), so at large P the figures include
-Python's own contention, not only etcd's; a per-process run would be lower.
+A BSP step needs every worker to put once and be notified once, so with more
+workers than cores a step cannot take less than P times the CPU one
+put + notification costs, spread over the cores: the table prints that
+bound next to the floor (on a 2-core machine it is what limits P = 16).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import statistics
 import sys
 import threading
@@ -25,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -40,8 +44,14 @@ from coordinator.rendezvous.member import Member
 console = Console(width=150)
 
 
-def floor(endpoint: str, repeats: int = 200) -> float:
-    """Median seconds from a put by one client to the watch notification at another."""
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def floor(endpoint: str, etcd_pid: int, repeats: int = 200) -> tuple[float, float]:
+    """Median seconds from a put by one client to the watch notification at another,
+    and the CPU seconds one such round costs (etcd's and the clients' together)."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
     writer, reader = Etcd(endpoint, namespace=namespace), Etcd(endpoint, namespace=namespace)
     key = writer.key("floor")
@@ -49,6 +59,7 @@ def floor(endpoint: str, repeats: int = 200) -> float:
     revision = writer.put(key, "0")
     watch = reader.watch(key, lambda events: seen.set(), revision + 1)
     samples = []
+    cpu_before = cpu_seconds(etcd_pid) + cpu_seconds(os.getpid())
     try:
         for i in range(repeats):
             seen.clear()
@@ -58,59 +69,44 @@ def floor(endpoint: str, repeats: int = 200) -> float:
                 raise RuntimeError("the floor's watch notification never came")
             samples.append(time.perf_counter() - began)
     finally:
+        cpu = cpu_seconds(etcd_pid) + cpu_seconds(os.getpid()) - cpu_before
         watch.cancel()
         writer.close()
         reader.close()
-    return statistics.median(samples)
+    return statistics.median(samples), cpu / repeats
+
+
+def member(endpoint: str, namespace: str, p: int, spec: BarrierSpec, steps: int) -> dict:
+    """One worker process: rendezvous, start barrier, `steps` empty steps, cleanup."""
+    with (
+        Etcd(endpoint, namespace=namespace) as etcd,
+        Member(etcd, "bench", p, ttl=10, timeout=120) as joined,
+    ):
+        joined.rendezvous()
+        barrier = LiveBarrier(joined, spec)
+        barrier.start()
+        before, began = etcd.operations, time.time()
+        for _ in range(steps):
+            barrier.wait_turn()
+            barrier.complete()
+        ended, after = time.time(), etcd.operations
+        barrier.finish()
+        joined.barrier("training")
+        joined.cleaner()
+        reads = barrier.counters.reads / max(1, barrier.counters.checks)
+        return {"began": began, "ended": ended, "ops": after - before, "reads": reads}
 
 
 def measure(endpoint: str, p: int, spec: BarrierSpec, steps: int) -> dict[str, float]:
     """Seconds per step, etcd operations per worker per step, reads per check."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
-    clients = [Etcd(endpoint, namespace=namespace) for _ in range(p)]
-    began: list[float] = []
-    ended: list[float] = []
-    ops: list[int] = []
-    reads: list[float] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def one(etcd: Etcd) -> None:
-        try:
-            with Member(etcd, "bench", p, ttl=10, timeout=120) as member:
-                member.rendezvous()
-                barrier = LiveBarrier(member, spec)
-                barrier.start()
-                before, t0 = etcd.operations, time.perf_counter()
-                for _ in range(steps):
-                    barrier.wait_turn()
-                    barrier.complete()
-                t1, after = time.perf_counter(), etcd.operations
-                barrier.finish()
-                with lock:
-                    began.append(t0)
-                    ended.append(t1)
-                    ops.append(after - before)
-                    reads.append(barrier.counters.reads / max(1, barrier.counters.checks))
-                member.barrier("training")
-                member.cleaner()
-        except BaseException as exc:
-            with lock:
-                errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(c,)) for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for client in clients:
-        client.close()
-    if errors:
-        raise errors[0]
+    context = multiprocessing.get_context("spawn")  # no fork: the parent holds gRPC threads
+    with context.Pool(p) as pool:
+        results = pool.starmap(member, [(endpoint, namespace, p, spec, steps)] * p)
     return {
-        "per_step": (max(ended) - min(began)) / steps,
-        "ops": sum(ops) / p / steps,
-        "reads": statistics.mean(reads),
+        "per_step": (max(r["ended"] for r in results) - min(r["began"] for r in results)) / steps,
+        "ops": sum(r["ops"] for r in results) / p / steps,
+        "reads": statistics.mean(r["reads"] for r in results),
     }
 
 
@@ -120,19 +116,30 @@ def main(
     beta: int = typer.Option(4, help="pBSP sample size"),
 ) -> None:
     specs = [BarrierSpec(Method.BSP), BarrierSpec(Method.PBSP, sample=beta)]
+    cores = os.cpu_count() or 1
     with EmbeddedEtcd() as server:
-        base = floor(server.endpoint)
-        table = Table(title=f"step barrier, no compute; floor (put + watch) = {base * 1e3:.2f} ms")
-        for column in ("P", "method", "ms/step", "x floor", "ops/worker/step", "reads/check"):
+        assert server.process is not None
+        base, cpu = floor(server.endpoint, server.process.pid)
+        table = Table(
+            title=f"step barrier, no compute; floor (put + watch) = {base * 1e3:.2f} ms, "
+            f"costing {cpu * 1e3:.2f} ms of CPU; {cores} cores"
+        )
+        columns = ("P", "method", "ms/step", "x floor", "CPU bound ms", "x CPU bound")
+        for column in (*columns, "ops/worker/step", "reads/check"):
             table.add_column(column, justify="right")
         for p in (int(s) for s in sizes.split(",")):
             for spec in specs:
                 result = measure(server.endpoint, p, spec, steps)
+                # Every worker must put and be notified once per step: P floors of CPU
+                # shared by the cores is the least a step can take on this machine.
+                bound = max(base, p * cpu / cores)
                 table.add_row(
                     str(p),
                     str(spec),
                     f"{result['per_step'] * 1e3:.2f}",
                     f"{result['per_step'] / base:.1f}",
+                    f"{bound * 1e3:.2f}",
+                    f"{result['per_step'] / bound:.1f}",
                     f"{result['ops']:.2f}",
                     f"{result['reads']:.2f}",
                 )

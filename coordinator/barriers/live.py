@@ -2,21 +2,34 @@
 
 Keys, under `<ns>/jobs/<job>/steps/`:
 
-- `<round>/clocks/<rank>`: `{"clock", "t", "interval", "done"}`: completed
-  steps, wall time of the last push, the mean of recent step intervals (what
-  DSSP predicts from), and whether the worker has finished. Leased, so a dead
-  worker's clock vanishes and the others see it leave.
+- `<round>/clocks/<rank>` (ASP, PSP, DSSP): `{"clock", "t", "interval",
+  "done"}`: completed steps, wall time of the last push, the mean of recent
+  step intervals (what DSSP predicts from), and whether the worker has
+  finished. Leased, so a dead worker's clock vanishes and the others see it.
+- `<round>/order/<clock>/<rank>` (BSP, SSP): the same value, leased; one key
+  per worker, moved up at every step, so the lowest key is the slowest
+  worker. A finished worker's key moves to the top (`DONE`), where it
+  constrains nobody.
+- `<round>/slowest`: the job-wide slowest clock (BSP, SSP), raised by the one
+  worker that leaves the lowest level last.
 - `dssp/<rank>`: DSSP's credit (`remaining`, `granted_this_episode`). Not
   leased and not per round, so a restarted member continues its episode.
 
 Decisions are `policy.may_start` and `dssp.decide`; this module only gathers
 the clocks they need, and waits with watches, never by polling:
 
-- BSP, SSP and DSSP need every clock: one watch on the clocks prefix for the
+- BSP and SSP need only the slowest clock. Each step is one transaction: move
+  the order key up, read the lowest order key; if this worker
+  was alone at the lowest level, the same transaction raises `slowest`.
+  Everyone keeps one watch on `slowest`, so a step costs each worker one
+  request and one notification, whatever P is (watching every clock would
+  cost P notifications per worker per step).
+- DSSP needs every clock (its controller predicts from the slowest worker's
+  push times and asks who is fastest): one watch on the clocks prefix for the
   whole run keeps a local view, so a check costs no reads at all.
 - pBSP and pSSP draw one sample of beta live peers per step (`PER_STEP`), read
-  those beta keys, and if they must wait, watch only those keys: O(beta) reads
-  and watches per check, whatever P is.
+  those beta keys (one request), and if they must wait, watch only those keys:
+  O(beta) keys read and watched per check, whatever P is.
 - ASP reads nothing.
 
 A finished worker (`done`) no longer constrains anyone: nothing it will do can
@@ -38,9 +51,12 @@ from typing import Any
 
 from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps
 from coordinator.barriers.policy import BarrierSpec, Method, draw_sample, may_start
-from coordinator.etcd.client import LeaseNotFound, Watch
+from coordinator.etcd.client import Delete, First, Get, LeaseNotFound, Put, Watch, prefix_end
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
 from coordinator.rendezvous.member import Member, loss_reason, member_state, rank_of
+
+DONE = 10**12 - 1  # the order level of a finished worker: above every clock
+LEVEL_DIGITS = 12
 
 
 class OnLoss(StrEnum):
@@ -73,7 +89,8 @@ class Passage:
     """What a worker saw when it passed the barrier before step `clock + 1`."""
 
     clock: int
-    observed: dict[int, int]  # rank -> clock, the unfinished peers the decision looked at
+    slowest: int | None  # the slowest clock the decision relied on (BSP/SSP: job-wide, self too)
+    observed: dict[int, int]  # rank -> clock, the unfinished peers read (PSP sample, DSSP view)
     waited: float  # seconds spent waiting
 
 
@@ -108,7 +125,8 @@ class LiveBarrier:
         self.on_loss = on_loss
         self.timeout = member.timeout if timeout is None else timeout
         self.root = member.keys.job + "steps/"
-        self.prefix = f"{self.root}{member.round}/clocks/"
+        self.round_prefix = f"{self.root}{member.round}/"
+        self.prefix = f"{self.round_prefix}clocks/"
         self.clock = start_clock
         self.live = set(range(member.world_size)) - {self.rank}  # peers still in the set
         self.counters = _Counters()
@@ -120,12 +138,24 @@ class LiveBarrier:
         self._token = 0
         self._watches: list[Watch] = []
         self._credit = Credit()
-        self._full_view = spec.method in (Method.BSP, Method.SSP, Method.DSSP)
+        self._by_slowest = spec.method in (Method.BSP, Method.SSP)
+        self._full_view = spec.method == Method.DSSP
+        self._level: int | None = None  # this worker's order level (BSP/SSP)
+        self._slowest = -1  # the highest job-wide slowest clock known (BSP/SSP)
 
     # -- keys -------------------------------------------------------------
 
     def clock_key(self, rank: int) -> str:
         return f"{self.prefix}{rank:06d}"
+
+    def order_key(self, level: int, rank: int) -> str:
+        return f"{self.round_prefix}order/{level:0{LEVEL_DIGITS}d}/{rank:06d}"
+
+    def order_prefix(self) -> str:
+        return f"{self.round_prefix}order/"
+
+    def slowest_key(self) -> str:
+        return f"{self.round_prefix}slowest"
 
     def credit_key(self) -> str:
         return f"{self.root}dssp/{self.rank:06d}"
@@ -152,6 +182,15 @@ class LiveBarrier:
             if kv is not None:
                 data = json.loads(kv.value)
                 self._credit = Credit(data["remaining"], data["granted_this_episode"])
+        if self._by_slowest:
+            # Everyone has published by now, so the lowest order key is exact.
+            revision = self._refresh_slowest()
+            self._watches.append(
+                self.etcd.watch(
+                    self.slowest_key(), lambda events: self._inbox.put(("slowest", events)),
+                    revision + 1,
+                )
+            )  # fmt: skip
         if self._full_view:
             clocks, revision = self.etcd.get_prefix(self.prefix)
             for kv in clocks:
@@ -185,10 +224,56 @@ class LiveBarrier:
 
     def _publish(self, done: bool) -> int:
         value = Clock(self.clock, self._last_push, self._mean_interval(), done).dump()
+        lease = self.member.lease_id
         try:
-            return self.etcd.put(self.clock_key(self.rank), value, self.member.lease_id)
+            if not self._by_slowest:
+                return self.etcd.put(self.clock_key(self.rank), value, lease)
+            return self._move_up(value, done)
         except LeaseNotFound as exc:
             raise SessionLost("this member's etcd lease is gone (etcd refused its clock)") from exc
+
+    def _move_up(self, clock: str, done: bool) -> int:
+        """Move this worker's order key up to its new clock, in one transaction.
+
+        The lowest order key is the slowest worker. Only the worker that was
+        alone at the lowest level can raise the job's slowest clock, so it, and
+        only it, writes `slowest` (in the same transaction when the new minimum
+        is the next clock, as it always is under BSP; with a second put when the
+        rest had already moved further).
+        """
+        level = DONE if done else self.clock
+        lease = self.member.lease_id
+        order = self.order_prefix()
+        moved = [
+            Put(self.order_key(level, self.rank), clock, lease),
+            First(order, prefix_end(order)),
+        ]
+        old = self._level
+        if old is None:
+            result = self.etcd.transaction(moved)
+        else:
+            mine = self.order_key(old, self.rank)
+            moved.insert(1, Delete(mine))
+            level_end = prefix_end(self.order_key(old, 0)[: -len("000000")])
+            alone = [(order, mine.encode()), (mine + "\0", level_end)]
+            raise_it = Put(self.slowest_key(), str(old + 1))
+            result = self.etcd.transaction([*moved, raise_it], when_empty=alone, otherwise=moved)
+        self._level = level
+        lowest = self._level_of(result.reads[0])
+        if result.succeeded and old is not None and lowest > old + 1:
+            self.etcd.put(self.slowest_key(), str(lowest))
+        self._slowest = max(self._slowest, lowest)
+        return result.revision
+
+    def _level_of(self, kv: Any) -> int:
+        return int(kv.key[len(self.order_prefix()) :].split("/")[0]) if kv is not None else DONE
+
+    def _refresh_slowest(self) -> int:
+        """Read the lowest order key (after the start barrier, or after a loss)."""
+        order = self.order_prefix()
+        result = self.etcd.transaction([First(order, prefix_end(order))])
+        self._slowest = max(self._slowest, self._level_of(result.reads[0]))
+        return result.revision
 
     # -- the decision -----------------------------------------------------
 
@@ -197,7 +282,9 @@ class LiveBarrier:
         started = time.monotonic()
         self._drain()
         if self.spec.method == Method.ASP:
-            passage = Passage(self.clock, {}, 0.0)
+            passage = Passage(self.clock, None, {}, 0.0)
+        elif self._by_slowest:
+            passage = self._wait_slowest(started)
         elif self._full_view:
             passage = self._wait_full(started)
         else:
@@ -238,12 +325,27 @@ class LiveBarrier:
     def _mean_interval(self) -> float:
         return sum(self._intervals) / len(self._intervals) if self._intervals else 0.0
 
+    def _wait_slowest(self, started: float) -> Passage:
+        deadline = started + self.timeout
+        while not may_start(self.clock, [self._slowest], self.spec.bound):
+            self.counters.waits += 1
+            self._handle(self._next(deadline, self._slowest_ranks))
+        return Passage(self.clock, self._slowest, {}, time.monotonic() - started)
+
+    def _slowest_ranks(self) -> list[int]:
+        """Who is at the lowest level now (read only to name them in a timeout)."""
+        keys, _ = self.etcd.get_prefix(self.order_prefix())
+        levels = {kv.key: self._level_of(kv) for kv in keys}
+        low = min(levels.values(), default=DONE)
+        return sorted(rank_of(key) for key, level in levels.items() if level == low)
+
     def _wait_full(self, started: float) -> Passage:
         deadline = started + self.timeout
         while True:
             observed = self._decide_full()
             if observed is not None:
-                return Passage(self.clock, observed, time.monotonic() - started)
+                slowest = min(observed.values(), default=None)
+                return Passage(self.clock, slowest, observed, time.monotonic() - started)
             self.counters.waits += 1
             # Block until the view changes, then decide again.
             self._handle(self._next(deadline, lambda: sorted(self._unfinished())))
@@ -253,9 +355,10 @@ class LiveBarrier:
         sample = draw_sample(self._rng, sorted(self.live), self.spec.sample)
         seen: dict[int, Clock] = {}
         revisions: dict[int, int] = {}
-        for rank in sample:
-            kv = self.etcd.get(self.clock_key(rank))
-            self.counters.reads += 1
+        reads = [Get(self.clock_key(rank)) for rank in sample]
+        answers = self.etcd.transaction(reads).reads if reads else []
+        self.counters.reads += len(sample)
+        for rank, kv in zip(sample, answers, strict=True):
             if kv is None:
                 self._peer_lost(rank, "its clock key is gone (its lease ended)")
                 continue
@@ -265,14 +368,21 @@ class LiveBarrier:
         def observed() -> dict[int, int]:
             return {r: c.clock for r, c in seen.items() if r in self.live and not c.done}
 
+        def passage() -> Passage:
+            seen_now = observed()
+            slowest = min(seen_now.values(), default=None)
+            return Passage(self.clock, slowest, seen_now, time.monotonic() - started)
+
         if may_start(self.clock, observed().values(), self.spec.bound):
-            return Passage(self.clock, observed(), time.monotonic() - started)
+            return passage()
         self.counters.waits += 1
         self._token += 1
         token = self._token
         watches = []
         try:
-            for rank in seen:
+            # Clocks only grow: only the peers behind the bound can hold this worker up.
+            behind = [r for r in observed() if seen[r].clock < self.clock - self.spec.bound]
+            for rank in behind:
                 watches.append(
                     self.etcd.watch(
                         self.clock_key(rank),
@@ -293,7 +403,7 @@ class LiveBarrier:
                 else:
                     self._handle(item)
                 if may_start(self.clock, observed().values(), self.spec.bound):
-                    return Passage(self.clock, observed(), time.monotonic() - started)
+                    return passage()
         finally:
             for watch in watches:
                 watch.cancel()
@@ -327,6 +437,10 @@ class LiveBarrier:
         if kind == "members":
             for event in item[1]:
                 self._peer_lost(rank_of(event.key), loss_reason(member_state(event.prev_value)))
+            if self._by_slowest:
+                self._refresh_slowest()  # a lost slowest worker raises the minimum unannounced
+        elif kind == "slowest":
+            self._slowest = max([self._slowest, *(int(e.value) for e in item[1] if e.value)])
         elif kind == "view":
             for event in item[1]:
                 rank = rank_of(event.key)

@@ -102,6 +102,57 @@ def prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes | str
+    lease: int = 0
+
+    def request(self) -> etcdrpc.RequestOp:
+        put = etcdrpc.PutRequest(key=self.key.encode(), value=_bytes(self.value), lease=self.lease)
+        return etcdrpc.RequestOp(request_put=put)
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+
+    def request(self) -> etcdrpc.RequestOp:
+        return etcdrpc.RequestOp(
+            request_delete_range=etcdrpc.DeleteRangeRequest(key=self.key.encode())
+        )
+
+
+@dataclass(frozen=True)
+class First:
+    """The lowest key in `[start, end)`."""
+
+    start: str
+    end: bytes
+
+    def request(self) -> etcdrpc.RequestOp:
+        first = etcdrpc.RangeRequest(key=self.start.encode(), range_end=self.end, limit=1)
+        return etcdrpc.RequestOp(request_range=first)
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str
+
+    def request(self) -> etcdrpc.RequestOp:
+        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=self.key.encode()))
+
+
+TxnOp = Put | Delete | First | Get
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool  # whether the `when_empty` condition held
+    revision: int
+    reads: list[KeyValue | None]  # one per `First` or `Get`, in order
+
+
 def _kv(kv: etcdrpc.KeyValue) -> KeyValue:
     return KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
 
@@ -425,6 +476,42 @@ class Etcd:
         )
         response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
         return response.header.revision, response.responses[1].response_range.count
+
+    def transaction(
+        self,
+        ops: Sequence[TxnOp],
+        *,
+        when_empty: Sequence[tuple[str, bytes]] = (),
+        otherwise: Sequence[TxnOp] = (),
+    ) -> TxnResult:
+        """Run `ops` if every key range in `when_empty` holds no key, else `otherwise`.
+
+        Ranges are `(start, end)` with `end` exclusive (bytes). A `First` op reads
+        the lowest key of its range, a `Get` one key; the result lists one answer
+        per read, in order, for the branch that ran. One request, atomic.
+        """
+        compare = [
+            etcdrpc.Compare(
+                key=start.encode(),
+                range_end=end,
+                result=etcdrpc.Compare.EQUAL,
+                target=etcdrpc.Compare.VERSION,
+                version=0,
+            )
+            for start, end in when_empty
+        ]
+        request = etcdrpc.TxnRequest(
+            compare=compare,
+            success=[op.request() for op in ops],
+            failure=[op.request() for op in otherwise],
+        )
+        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        reads = [
+            _kv(r.response_range.kvs[0]) if r.response_range.kvs else None
+            for r in response.responses
+            if r.HasField("response_range")
+        ]
+        return TxnResult(response.succeeded, response.header.revision, reads)
 
     def delete(self, key: str) -> int:
         request = etcdrpc.DeleteRangeRequest(key=key.encode())

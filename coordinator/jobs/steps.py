@@ -2,8 +2,9 @@
 
 Each worker loops: wait for its turn (the method's rule), do one step (a
 sleep of `step_seconds`, `straggler_factor` times longer on `straggler_rank`),
-publish its clock. It returns what it saw at every passage, so the method's
-rule can be checked from recorded clocks.
+publish its clock. It returns what it saw at every passage (its clock, the
+slowest clock the decision relied on, the peers' clocks it read), so the
+method's rule can be checked from recorded clocks.
 
 Stop conditions mean what they say (seed 000: TensorFlow's per-worker
 `num_steps` counted from a shared global step made late workers train longer):
@@ -149,7 +150,7 @@ def run(member: Member, params: dict[str, str]) -> dict[str, object]:
         while barrier.clock < target:
             passage = barrier.wait_turn()
             waited += passage.waited
-            passages.append([passage.clock, passage.observed])
+            passages.append([passage.clock, passage.slowest, passage.observed])
             if first_step_at is None:
                 first_step_at = time.time()
             time.sleep(step_seconds)  # the stand-in for one step's compute
