@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd.client import Etcd, EtcdUnavailable, WatchEvent, parse_endpoints
+from coordinator.etcd.client import (
+    Delete,
+    Etcd,
+    EtcdUnavailable,
+    First,
+    Get,
+    Put,
+    WatchEvent,
+    parse_endpoints,
+    prefix_end,
+)
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.etcd.session import Session
 from tests.conftest import wait_until
@@ -47,6 +57,23 @@ def test_put_and_count_is_one_transaction(etcd: Etcd) -> None:
     prefix = etcd.key("b") + "/"
     counts = [etcd.put_and_count(prefix + str(i), "", 0, prefix)[1] for i in range(3)]
     assert counts == [1, 2, 3]
+
+
+def test_transaction_runs_its_ops_only_when_the_ranges_are_empty(etcd: Etcd) -> None:
+    """The step barrier's test: "am I alone at the lowest level?" as empty key ranges."""
+    prefix = etcd.key("order") + "/"
+    etcd.put(prefix + "2/a", "x")
+    lowest = First(prefix, prefix_end(prefix))
+    below_2 = [(prefix, (prefix + "2/").encode())]
+    moved = etcd.transaction(
+        [Delete(prefix + "2/a"), Put(prefix + "3/a", "y"), lowest, Get(prefix + "none")],
+        when_empty=below_2,
+    )
+    assert moved.succeeded and [kv and kv.key for kv in moved.reads] == [prefix + "3/a", None]
+    etcd.put(prefix + "1/b", "z")
+    other = etcd.transaction([Put(etcd.key("raised"), "1")], when_empty=below_2, otherwise=[lowest])
+    assert not other.succeeded and other.reads[0] is not None
+    assert other.reads[0].key == prefix + "1/b" and etcd.get(etcd.key("raised")) is None
 
 
 def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Path) -> None:

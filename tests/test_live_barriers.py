@@ -143,10 +143,16 @@ def test_seed_000_stop_conditions_hold_for_restarted_late_and_early_finishing_wo
     assert min(r["first_step_at"] for r in results.values()) > late_at
 
 
+KILL_METHODS = {
+    "pssp": {"method": "pssp", "staleness": 2, "sample": 1},  # reads a sample of clocks
+    "bsp": {"method": "bsp"},  # waits on the job's slowest clock only
+}
+
+
 def _kill_mid_run(
-    on_loss: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
+    method: str, on_loss: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
 ) -> tuple[int, float, list[Proc]]:
-    params = {"method": "pssp", "staleness": 2, "sample": 1, "on_loss": on_loss}
+    params = {**KILL_METHODS[method], "on_loss": on_loss}
     params |= {"num_steps": 150, "step_seconds": 0.01}
     args = steps_args(etcd_server.endpoint, etcd.namespace, params, ttl=2)
     procs = [spawn(args) for _ in range(WORLD)]
@@ -155,7 +161,8 @@ def _kill_mid_run(
 
     def running() -> bool:
         kvs, _ = etcd.get_prefix(clocks)
-        return any(json.loads(kv.value)["clock"] >= 10 for kv in kvs if "/clocks/" in kv.key)
+        clock_keys = [kv for kv in kvs if "/clocks/" in kv.key or "/order/" in kv.key]
+        return any(json.loads(kv.value)["clock"] >= 10 for kv in clock_keys)
 
     wait_until(running, 30, "the workers to be mid-run")
     victim = procs[ranks.index(2)]
@@ -163,10 +170,11 @@ def _kill_mid_run(
     return 2, time.monotonic(), [p for p in procs if p is not victim]
 
 
+@pytest.mark.parametrize("method", sorted(KILL_METHODS))
 def test_killed_worker_fails_the_others_fast_naming_it(
-    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
+    method: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
 ) -> None:
-    rank, killed_at, survivors = _kill_mid_run("fail", etcd_server, etcd, spawn)
+    rank, killed_at, survivors = _kill_mid_run(method, "fail", etcd_server, etcd, spawn)
     for proc in survivors:
         assert proc.wait_exit(timeout=30) == 5
         assert proc.exited_at is not None and proc.exited_at - killed_at < 2 + 2 + 1
@@ -174,16 +182,17 @@ def test_killed_worker_fails_the_others_fast_naming_it(
         assert failed["error"] == "MemberLost" and f"rank {rank}" in failed["message"]
 
 
+@pytest.mark.parametrize("method", sorted(KILL_METHODS))
 def test_killed_worker_leaves_the_set_and_the_others_finish_with_continue(
-    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
+    method: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
 ) -> None:
-    rank, _, survivors = _kill_mid_run("continue", etcd_server, etcd, spawn)
+    rank, _, survivors = _kill_mid_run(method, "continue", etcd_server, etcd, spawn)
     results = collect(survivors)
     assert len(results) == WORLD - 1 and rank not in results
     for result in results.values():
         assert result["final_clock"] == 150
-        # It either saw the loss in its sample or finished before it mattered.
-        assert result["lost"] in ([rank], [])
+        # PSP: it saw the loss in its sample or finished before it mattered; BSP always sees it.
+        assert result["lost"] in (([rank], []) if method == "pssp" else ([rank],))
 
 
 @pytest.mark.parametrize(
