@@ -151,9 +151,16 @@ def run(
     timeout: TimeoutOption = 300.0,
     connect_timeout: ConnectTimeoutOption = 10.0,
     param: ParamOption = None,
+    data: Annotated[
+        str | None,
+        typer.Option(help="training data (xgboost): path/glob, synthetic:ROWSxFEATURES, builtin"),
+    ] = None,
+    rounds: Annotated[int | None, typer.Option(min=1, help="boosting rounds (xgboost)")] = None,
 ) -> None:
     """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
     job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
+    shortcuts = {"data": data, "rounds": rounds}
+    param = [*(param or []), *(f"{k}={v}" for k, v in shortcuts.items() if v is not None)]
     # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -203,6 +210,13 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
                 continue
             if event["event"] == "phase" and event["phase"] in tasks:
                 progress.advance(tasks[event["phase"]])
+            elif event["event"] == "round" and event.get("rank") == 0:  # boosting rounds
+                if "rounds" not in tasks:
+                    tasks["rounds"] = progress.add_task("boosting rounds", total=event["rounds"])
+                metrics = "  ".join(f"{k} {v:.4f}" for k, v in event["metrics"].items())
+                progress.update(
+                    tasks["rounds"], completed=event["round"], description=f"round {metrics}"
+                )
 
 
 def _report(workers: list[LocalWorker]) -> int:
@@ -220,6 +234,11 @@ def _report(workers: list[LocalWorker]) -> int:
                 str(member["pid"]),
             )
         console.print(table)
+        for worker in done:
+            result = worker.done["result"]  # type: ignore[index]
+            if "model_path" in result:
+                metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items())
+                console.print(f"model: [bold]{result['model_path']}[/bold] ({metrics})")
     failed = [w for w in workers if w.exit_code != 0]
     for w in failed:
         reason = w.failed["message"] if w.failed else (w.stderr[-1] if w.stderr else "no output")

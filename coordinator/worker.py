@@ -8,15 +8,13 @@ went wrong (see `EXIT_CODES`).
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
 
 from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
+from coordinator.events import emit
 from coordinator.jobs import JOB_KINDS
 from coordinator.rendezvous.errors import (
     JobFull,
@@ -72,10 +70,6 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated("terminated by SIGTERM")
 
 
-def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
-
-
 def run_worker(options: WorkerOptions) -> int:
     """Run one member through every phase; returns the process exit code."""
     if options.kind not in JOB_KINDS:
@@ -87,6 +81,7 @@ def run_worker(options: WorkerOptions) -> int:
     try:  # bad input is named before anything touches etcd
         check_name("job id", options.job_id)
         parse_endpoints(options.etcd)
+        job = JOB_KINDS[options.kind](options.params, options.world_size)
     except ValueError as exc:
         return _fail(exc, EXIT_USAGE)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -95,6 +90,7 @@ def run_worker(options: WorkerOptions) -> int:
             options.etcd, namespace=options.namespace, connect_timeout=options.connect_timeout
         )
     except EtcdError as exc:
+        job.close()
         return _fail(exc, EXIT_ETCD_UNAVAILABLE, phase="etcd_connect")
     member: Member | None = None
     try:
@@ -112,9 +108,11 @@ def run_worker(options: WorkerOptions) -> int:
             emit("phase", phase="leader_election", rank=member.rank)
             roster = member.ip_exchange()
             emit("phase", phase="ip_exchange", rank=member.rank)
+            job.on_roster(member)
             member.connect()
             emit("phase", phase="connect", rank=member.rank)
-            result = JOB_KINDS[options.kind](member, options.params)
+            member.phase = "training"  # the job runs until the `training` barrier
+            result = job.run(member)
             member.barrier("training")
             emit("phase", phase="training", rank=member.rank)
             member.cleaner()
@@ -133,6 +131,7 @@ def run_worker(options: WorkerOptions) -> int:
     except Exception as exc:
         return _fail(exc, EXIT_ERROR, member)
     finally:
+        job.close()
         etcd.close()
 
 

@@ -1,15 +1,67 @@
-"""Job kinds: what a member does between `connect` and the `training` barrier."""
+"""Job kinds: what a member does between `ip_exchange` and the `training` barrier.
+
+A job is built from its parameters and the world size before the member joins
+(bad input fails there, on every member, before anything is written to etcd),
+then gets two calls: `on_roster` once the roster is known (before `connect`:
+the place to start a service the others must reach, or to load data), and
+`run` after `connect`. `close` always follows.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from coordinator.jobs import noop, steps
 from coordinator.rendezvous.member import Member
 
-#: A job gets its member (rank, roster, barriers) and its parameters, and returns
-#: a small JSON-able summary. It raises ValueError for a bad parameter.
-JobFunction = Callable[[Member, dict[str, str]], dict[str, object]]
+
+class Job(Protocol):
+    def on_roster(self, member: Member) -> None: ...
+
+    def run(self, member: Member) -> dict[str, object]:
+        """Train; returns a small JSON-able summary."""
+        ...
+
+    def close(self) -> None: ...
 
 
-JOB_KINDS: dict[str, JobFunction] = {"noop": noop.run, "steps": steps.run}
+#: (parameters, world size) -> a job; raises ValueError naming a bad parameter.
+JobFactory = Callable[[dict[str, str], int], Job]
+
+
+@dataclass
+class FunctionJob:
+    """A job that is one function of the member and its (already checked) parameters."""
+
+    function: Callable[[Member, dict[str, str]], dict[str, object]]
+    params: dict[str, str]
+
+    def on_roster(self, member: Member) -> None:
+        pass
+
+    def run(self, member: Member) -> dict[str, object]:
+        return self.function(member, self.params)
+
+    def close(self) -> None:
+        pass
+
+
+def _noop(params: dict[str, str], world_size: int) -> Job:
+    noop.check(params)
+    return FunctionJob(noop.run, params)
+
+
+def _steps(params: dict[str, str], world_size: int) -> Job:
+    steps.parse(params, world_size)
+    return FunctionJob(steps.run, params)
+
+
+def _xgboost(params: dict[str, str], world_size: int) -> Job:
+    from coordinator.jobs.boosting import XGBoostJob  # XGBoost takes a second to import
+
+    return XGBoostJob(params, world_size)
+
+
+JOB_KINDS: dict[str, JobFactory] = {"noop": _noop, "steps": _steps, "xgboost": _xgboost}

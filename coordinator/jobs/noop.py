@@ -17,8 +17,12 @@ if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
 
-def run(member: Member, params: dict[str, str]) -> dict[str, object]:
+def check(params: dict[str, str]) -> float:
     check_known("noop", params, ["seconds"])
-    seconds = float_param("noop", params, "seconds", 0.0)
+    return float_param("noop", params, "seconds", 0.0)
+
+
+def run(member: Member, params: dict[str, str]) -> dict[str, object]:
+    seconds = check(params)
     time.sleep(seconds)  # the stand-in for training itself
     return {"seconds": seconds}

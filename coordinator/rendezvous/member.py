@@ -320,7 +320,8 @@ class Member:
 
     @fenced
     def connect(self) -> None:
-        """[ssh] The leader proves it reaches every member; then all pass together."""
+        """[ssh] The leader proves it reaches every member, and each member the leader;
+        then all pass together."""
         self.phase = "connect"
         roster = self._require_roster()
         if self.rank == 0:
@@ -339,6 +340,19 @@ class Member:
                 ]
             if failed and not self._trouble.is_set():  # else the wait below says who was lost
                 raise Unreachable("the leader cannot reach " + "; ".join(failed))
+        else:
+            # And back: services a job starts on the leader (XGBoost's tracker) live there.
+            leader = roster.leader
+            deadline = time.monotonic() + self.timeout
+            problem = probe(
+                leader.host, leader.port, self.job_id, leader.member_id, deadline,
+                self._trouble.is_set,
+            )  # fmt: skip
+            if problem is not None and not self._trouble.is_set():
+                raise Unreachable(
+                    f"rank {self.rank} cannot reach the leader at {leader.host}:{leader.port} "
+                    f"({problem})"
+                )
         self._barrier("connect")
 
     @fenced
@@ -495,6 +509,18 @@ class Member:
         self._tolerate_loss = True
         self._excused.update(self._lost)
         self._lost.clear()
+
+    def wait_for_loss(self, timeout: float) -> MemberLost | None:
+        """The first member lost, waiting up to `timeout` for one to be noticed.
+
+        For code that failed outside etcd (a collective's socket closed): the
+        dead member's lease ends within a TTL, and its key says who it was.
+        """
+        self._trouble.wait(timeout)
+        if not self._lost:
+            return None
+        rank, (state, phase) = next(iter(self._lost.items()))
+        return MemberLost(rank, phase, loss_reason(state))
 
     def _raise_if_lost(self) -> None:
         if self._lost:
