@@ -8,10 +8,13 @@ went wrong (see `EXIT_CODES`).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import Any
 
 from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
 from coordinator.events import emit
@@ -146,4 +149,17 @@ def _fail(
         f"error [{name}] in phase '{phase}' (rank {rank}): {message}", file=sys.stderr, flush=True
     )
     emit("failed", phase=phase, rank=rank, error=name, message=message, exit_code=code)
+    if member is not None and rank is not None and not isinstance(error, EtcdUnavailable):
+        _record_failure(member, rank, phase, error, message)
     return code
+
+
+def _record_failure(
+    member: Member, rank: int, phase: str, error: BaseException, message: str
+) -> None:
+    """Leave the job's etcd state saying why this member failed (and whom it lost)."""
+    record: dict[str, Any] = {"phase": phase, "error": type(error).__name__, "message": message}
+    if isinstance(error, MemberLost):
+        record["lost_rank"] = error.rank
+    with contextlib.suppress(EtcdError):  # the record is a courtesy; the exit code is the fact
+        member.etcd.put(f"{member.keys.job}failures/{rank:06d}", json.dumps(record))

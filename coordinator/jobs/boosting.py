@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -298,14 +299,16 @@ class XGBoostJob:
         folder = self.options.artifacts / member.job_id
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"model.{self.options.model_format}"
-        partial = path.with_suffix(path.suffix + ".partial")
+        partial = folder / f".partial.{self.options.model_format}"  # XGBoost reads the suffix
         booster.save_model(partial)
         partial.replace(path)  # never a half-written model under the final name
         return path
 
     def close(self) -> None:
         if self.tracker is not None:
-            self.tracker.free()
+            # A tracker whose workers failed reports that again here: already said.
+            with contextlib.suppress(xgboost.core.XGBoostError):
+                self.tracker.free()
             self.tracker = None
 
 
