@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import xgboost
 from docker.models.containers import Container
 
 from coordinator.etcd.client import Etcd
@@ -113,6 +116,38 @@ def test_compose_cluster_rendezvous(
 
     with etcd_client(podman_service, project) as etcd:
         assert etcd.count_prefix(etcd.key("jobs", job) + "/") == 0
+
+
+def test_compose_cluster_trains_xgboost_and_saves_the_model_in_the_artifacts_volume(
+    podman_service: PodmanService, images: Images, project: str
+) -> None:
+    """The documented XGBoost run: 3 worker containers, the tracker on the leader's
+    container address, one model file in the `artifacts` volume."""
+    job = "compose-xgb"
+    params = "rounds=5,data=synthetic:20000x8:1,eval_data=synthetic:5000x8:2"
+    env = compose_env(
+        images, job, WORKERS="3", COORDINATOR_KIND="xgboost", COORDINATOR_PARAMS=params
+    )
+    result = compose(project, "up", "-d", env=env)
+    assert result.returncode == 0, result.stderr
+    workers = service_containers(podman_service, project, "worker")
+    assert len(workers) == 3
+    wait_until(lambda: exited(workers), 240, "the three workers to train and finish")
+    results = {}
+    for worker in workers:
+        assert worker.attrs["State"]["ExitCode"] == 0, worker.logs().decode()[-2000:]
+        done = next(e for e in events(worker) if e["event"] == "done")
+        results[done["rank"]] = done["result"]
+    assert sorted(results) == [0, 1, 2]
+    assert len({r["model_sha256"] for r in results.values()}) == 1
+    assert results[0]["model_path"] == f"/artifacts/{job}/model.json"
+    volume = podman_service.client.volumes.get(f"{project}_artifacts")
+    model = Path(volume.attrs["Mountpoint"]) / job / "model.json"
+    assert model.exists() and model.stat().st_size > 0
+    assert (
+        hashlib.sha256(xgboost.Booster(model_file=str(model)).save_raw("ubj")).hexdigest()
+        == results[0]["model_sha256"]
+    )
 
 
 def test_killed_worker_container_fails_the_others_fast(
