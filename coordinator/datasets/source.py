@@ -7,6 +7,7 @@ the same order, since shards are planned over file indices. It does no reading b
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 from collections.abc import Callable
@@ -119,6 +120,10 @@ def parse_source(
         label = 0 if label_column is None else _int_label(label_column, field)
         _no_width(field, num_features, "CSV")
     elif kind == "parquet":
+        if importlib.util.find_spec("pyarrow") is None:
+            raise ValueError(
+                f"{field}: Parquet files need pyarrow: pip install 'etcd-coordinator[parquet]'"
+            )
         label = "label" if label_column is None else _parquet_label(label_column)
         _no_width(field, num_features, "Parquet")
     else:
