@@ -96,10 +96,16 @@ def test_member_killed_mid_phase_makes_the_others_fail_fast(
     phase: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn
 ) -> None:
     _stall_and_kill(phase, etcd_server, etcd, spawn)
-    job_prefix = etcd.key("jobs", "job") + "/"
+    rendezvous = etcd.key("jobs", "job", "rendezvous") + "/"
     wait_until(
-        lambda: etcd.count_prefix(job_prefix) == 0, TTL + 2, "no keys left after the failure"
+        lambda: etcd.count_prefix(rendezvous) == 0, TTL + 2, "no keys left after the failure"
     )
+    # What stays on purpose: each survivor that held a rank says whom it lost.
+    kvs, _ = etcd.get_prefix(etcd.key("jobs", "job") + "/")
+    assert all("/failures/" in kv.key for kv in kvs), [kv.key for kv in kvs]
+    records = [json.loads(kv.value) for kv in kvs]
+    assert len({r["lost_rank"] for r in records}) <= 1
+    assert all(r["error"] == "MemberLost" for r in records)
 
 
 def test_all_members_killed_leave_no_keys_after_the_ttl(
