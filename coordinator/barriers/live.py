@@ -51,7 +51,16 @@ from typing import Any
 
 from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps
 from coordinator.barriers.policy import BarrierSpec, Method, draw_sample, may_start
-from coordinator.etcd.client import Delete, First, Get, LeaseNotFound, Put, Watch, prefix_end
+from coordinator.etcd.client import (
+    Delete,
+    First,
+    Get,
+    KeyValue,
+    LeaseNotFound,
+    Put,
+    Watch,
+    prefix_end,
+)
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
 from coordinator.rendezvous.member import Member, loss_reason, member_state, rank_of
 
@@ -148,11 +157,18 @@ class LiveBarrier:
     def clock_key(self, rank: int) -> str:
         return f"{self.prefix}{rank:06d}"
 
-    def order_key(self, level: int, rank: int) -> str:
-        return f"{self.round_prefix}order/{level:0{LEVEL_DIGITS}d}/{rank:06d}"
-
     def order_prefix(self) -> str:
         return f"{self.round_prefix}order/"
+
+    def level_prefix(self, level: int) -> str:
+        return f"{self.order_prefix()}{level:0{LEVEL_DIGITS}d}/"
+
+    def order_key(self, level: int, rank: int) -> str:
+        return f"{self.level_prefix(level)}{rank:06d}"
+
+    def _lowest(self) -> First:
+        """The read of the lowest order key: the slowest worker."""
+        return First(self.order_prefix(), prefix_end(self.order_prefix()))
 
     def slowest_key(self) -> str:
         return f"{self.round_prefix}slowest"
@@ -243,21 +259,19 @@ class LiveBarrier:
         """
         level = DONE if done else self.clock
         lease = self.member.lease_id
-        order = self.order_prefix()
-        moved = [
-            Put(self.order_key(level, self.rank), clock, lease),
-            First(order, prefix_end(order)),
-        ]
+        moved = [Put(self.order_key(level, self.rank), clock, lease), self._lowest()]
         old = self._level
         if old is None:
             result = self.etcd.transaction(moved)
         else:
             mine = self.order_key(old, self.rank)
             moved.insert(1, Delete(mine))
-            level_end = prefix_end(self.order_key(old, 0)[: -len("000000")])
-            alone = [(order, mine.encode()), (mine + "\0", level_end)]
+            below_me = (self.order_prefix(), mine.encode())
+            beside_me = (mine + "\0", prefix_end(self.level_prefix(old)))
             raise_it = Put(self.slowest_key(), str(old + 1))
-            result = self.etcd.transaction([*moved, raise_it], when_empty=alone, otherwise=moved)
+            result = self.etcd.transaction(
+                [*moved, raise_it], when_empty=[below_me, beside_me], otherwise=moved
+            )
         self._level = level
         lowest = self._level_of(result.reads[0])
         if result.succeeded and old is not None and lowest > old + 1:
@@ -265,13 +279,12 @@ class LiveBarrier:
         self._slowest = max(self._slowest, lowest)
         return result.revision
 
-    def _level_of(self, kv: Any) -> int:
+    def _level_of(self, kv: KeyValue | None) -> int:
         return int(kv.key[len(self.order_prefix()) :].split("/")[0]) if kv is not None else DONE
 
     def _refresh_slowest(self) -> int:
         """Read the lowest order key (after the start barrier, or after a loss)."""
-        order = self.order_prefix()
-        result = self.etcd.transaction([First(order, prefix_end(order))])
+        result = self.etcd.transaction([self._lowest()])
         self._slowest = max(self._slowest, self._level_of(result.reads[0]))
         return result.revision
 

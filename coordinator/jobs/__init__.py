@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from coordinator.jobs import noop, steps
@@ -33,29 +34,26 @@ JobFactory = Callable[[dict[str, str], int], Job]
 
 @dataclass
 class FunctionJob:
-    """A job that is one function of the member and its (already checked) parameters."""
+    """A job that is one function of the member (its checked options bound in)."""
 
-    function: Callable[[Member, dict[str, str]], dict[str, object]]
-    params: dict[str, str]
+    function: Callable[[Member], dict[str, object]]
 
     def on_roster(self, member: Member) -> None:
         pass
 
     def run(self, member: Member) -> dict[str, object]:
-        return self.function(member, self.params)
+        return self.function(member)
 
     def close(self) -> None:
         pass
 
 
 def _noop(params: dict[str, str], world_size: int) -> Job:
-    noop.check(params)
-    return FunctionJob(noop.run, params)
+    return FunctionJob(partial(noop.run, seconds=noop.check(params)))
 
 
 def _steps(params: dict[str, str], world_size: int) -> Job:
-    steps.parse(params, world_size)
-    return FunctionJob(steps.run, params)
+    return FunctionJob(partial(steps.run, options=steps.parse(params, world_size)))
 
 
 def _xgboost(params: dict[str, str], world_size: int) -> Job:

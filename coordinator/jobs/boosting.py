@@ -39,6 +39,7 @@ from xgboost.tracker import RabitTracker
 from coordinator.datasets import DataSource, Layout, Shard, check_shards, load_shard, parse_source
 from coordinator.events import emit
 from coordinator.jobs.params import check_known, float_param, int_param
+from coordinator.rendezvous.errors import MemberLost
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
@@ -292,7 +293,7 @@ class XGBoostJob:
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         lost = member.wait_for_loss(member.ttl + 2.0)
         if lost is not None:
-            raise type(lost)(lost.rank, "training", f"{lost.reason}; XGBoost: {message}")
+            raise MemberLost(lost.rank, "training", f"{lost.reason}; XGBoost: {message}")
         raise RuntimeError(f"XGBoost's collective failed: {message}") from error
 
     def _save(self, member: Member, booster: xgboost.Booster) -> Path:

@@ -22,7 +22,6 @@ def check(params: dict[str, str]) -> float:
     return float_param("noop", params, "seconds", 0.0)
 
 
-def run(member: Member, params: dict[str, str]) -> dict[str, object]:
-    seconds = check(params)
+def run(member: Member, seconds: float) -> dict[str, object]:
     time.sleep(seconds)  # the stand-in for training itself
     return {"seconds": seconds}

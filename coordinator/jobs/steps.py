@@ -120,8 +120,7 @@ def progress_key(member: Member) -> str:
     return f"{member.keys.job}steps/progress/{member.rank:06d}"
 
 
-def run(member: Member, params: dict[str, str]) -> dict[str, object]:
-    options = parse(params, member.world_size)
+def run(member: Member, options: StepOptions) -> dict[str, object]:
     spec = options.spec
     key = progress_key(member)
     kv = member.etcd.get(key)
