@@ -32,6 +32,10 @@ the clocks they need, and waits with watches, never by polling:
   O(beta) keys read and watched per check, whatever P is.
 - ASP reads nothing.
 
+Only the `participants` step (all members by default; a parameter-server job's
+trainers): the others publish no clock, and losing one of them always fails the
+steps, since nothing can go on without it.
+
 A finished worker (`done`) no longer constrains anyone: nothing it will do can
 change, so waiting for it would hang (the early-finisher pitfall of seed 000).
 A lost peer (its lease ended) fails the step with `MemberLost` naming it, or,
@@ -45,6 +49,7 @@ import queue
 import random
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -124,6 +129,7 @@ class LiveBarrier:
         start_clock: int = 0,
         seed: int | None = None,
         timeout: float | None = None,
+        participants: Iterable[int] | None = None,
     ) -> None:
         self.spec = spec.validate()
         self.member = member
@@ -137,7 +143,14 @@ class LiveBarrier:
         self.round_prefix = f"{self.root}{member.round}/"
         self.prefix = f"{self.round_prefix}clocks/"
         self.clock = start_clock
-        self.live = set(range(member.world_size)) - {self.rank}  # peers still in the set
+        # The ranks that step (a parameter server's trainers); the others never publish a
+        # clock, and losing one of them fails the steps whatever `on_loss` says.
+        self.participants = frozenset(
+            range(member.world_size) if participants is None else participants
+        )
+        if self.rank not in self.participants:
+            raise ValueError(f"rank {self.rank} is not among the barrier's participants")
+        self.live = set(self.participants) - {self.rank}  # peers still in the set
         self.counters = _Counters()
         self._rng = random.Random(seed if seed is not None else member.round * 100003 + self.rank)
         self._intervals: deque[float] = deque(maxlen=5)
@@ -465,9 +478,9 @@ class LiveBarrier:
     def _peer_lost(self, rank: int, reason: str) -> None:
         if rank == self.rank:
             raise SessionLost("this member's own key vanished during the steps")
-        if rank not in self.live:
-            return
-        if self.on_loss == OnLoss.FAIL:
+        if rank not in self.live and rank in self.participants:
+            return  # already left the set
+        if self.on_loss == OnLoss.FAIL or rank not in self.participants:
             raise MemberLost(rank, f"steps (clock {self.clock})", reason)
         self.live.discard(rank)
         self._view.pop(rank, None)

@@ -3,12 +3,12 @@
 It proves a deployment's plumbing (etcd reachable, addresses right, every
 member reachable by the leader) before real training is put on it. With the
 parameter `seconds` it holds that long between `connect` and `training`, as a
-stand-in for training time, to try out what happens when a member dies then.
+stand-in for training time, to try out what happens when a member dies then:
+the others stop at once (within the lease TTL), not at the next barrier.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from coordinator.jobs.params import check_known, float_param
@@ -23,5 +23,8 @@ def check(params: dict[str, str]) -> float:
 
 
 def run(member: Member, seconds: float) -> dict[str, object]:
-    time.sleep(seconds)  # the stand-in for training itself
+    # The stand-in for training: it ends at once when a member is lost meanwhile.
+    lost = member.wait_for_loss(seconds)
+    if lost is not None:
+        raise lost
     return {"seconds": seconds}
