@@ -108,12 +108,22 @@ class Passage:
     waited: float  # seconds spent waiting
 
 
+@dataclass(frozen=True)
+class _Sample:
+    """A check's sampled peers and their clock keys as read (None: gone) at `revision`."""
+
+    ranks: list[int]
+    answers: list[KeyValue | None]
+    revision: int
+
+
 @dataclass
 class _Counters:
     checks: int = 0
     reads: int = 0
     watches: int = 0
     waits: int = 0
+    rereads: int = 0  # sampled clocks read again: their watch registered after the first read
     lost: list[int] = field(default_factory=list)
 
 
@@ -164,6 +174,8 @@ class LiveBarrier:
         self._full_view = spec.method == Method.DSSP
         self._level: int | None = None  # this worker's order level (BSP/SSP)
         self._slowest = -1  # the highest job-wide slowest clock known (BSP/SSP)
+        # pBSP/pSSP: the next check's sample, drawn and read when the step completed.
+        self._next_sample: _Sample | None = None
 
     # -- keys -------------------------------------------------------------
 
@@ -239,7 +251,11 @@ class LiveBarrier:
         self._intervals.append(now - self._last_push)
         self._last_push = now
         self.clock += 1
-        self._publish(done=False)
+        if self.spec.sampled:
+            # The next check's sample, read in the request that publishes this clock.
+            self._publish(False, draw_sample(self._rng, sorted(self.live), self.spec.sample))
+        else:
+            self._publish(done=False)
 
     def finish(self) -> None:
         """Say this worker is done, so nobody waits for it, and stop watching."""
@@ -251,13 +267,19 @@ class LiveBarrier:
             watch.cancel()
         self._watches.clear()
 
-    def _publish(self, done: bool) -> int:
+    def _publish(self, done: bool, sample: list[int] | None = None) -> int:
+        """Publish this worker's clock; with `sample`, read those clocks in the same request."""
         value = Clock(self.clock, self._last_push, self._mean_interval(), done).dump()
         lease = self.member.lease_id
         try:
-            if not self._by_slowest:
+            if self._by_slowest:
+                return self._move_up(value, done)
+            if not sample:
                 return self.etcd.put(self.clock_key(self.rank), value, lease)
-            return self._move_up(value, done)
+            reads = [Get(self.clock_key(rank)) for rank in sample]
+            result = self.etcd.transaction([Put(self.clock_key(self.rank), value, lease), *reads])
+            self._next_sample = _Sample(sample, result.reads, result.revision)
+            return result.revision
         except LeaseNotFound as exc:
             raise SessionLost("this member's etcd lease is gone (etcd refused its clock)") from exc
 
@@ -378,18 +400,28 @@ class LiveBarrier:
 
     def _wait_sampled(self, started: float) -> Passage:
         deadline = started + self.timeout
-        sample = draw_sample(self._rng, sorted(self.live), self.spec.sample)
+        drawn, self._next_sample = self._next_sample, None
+        if drawn is None:  # the first step: nothing was read with a publish yet
+            sample = draw_sample(self._rng, sorted(self.live), self.spec.sample)
+            reads = [Get(self.clock_key(rank)) for rank in sample]
+            result = self.etcd.transaction(reads) if reads else None
+            drawn = _Sample(sample, result.reads if result else [], result.revision if result else 0)
+        self.counters.reads += len(drawn.ranks)
         seen: dict[int, Clock] = {}
-        revisions: dict[int, int] = {}
-        reads = [Get(self.clock_key(rank)) for rank in sample]
-        answers = self.etcd.transaction(reads).reads if reads else []
-        self.counters.reads += len(sample)
-        for rank, kv in zip(sample, answers, strict=True):
+
+        def learn(rank: int, kv: KeyValue | None) -> None:
             if kv is None:
                 self._peer_lost(rank, "its clock key is gone (its lease ended)")
-                continue
-            seen[rank] = Clock.parse(kv.value)
-            revisions[rank] = kv.mod_revision
+            else:
+                newer = Clock.parse(kv.value)
+                old = seen.get(rank)
+                # An event can be older than a re-read: a clock never goes back.
+                if old is None or (newer.clock, newer.done) >= (old.clock, old.done):
+                    seen[rank] = newer
+
+        for rank, kv in zip(drawn.ranks, drawn.answers, strict=True):
+            if rank in self.live:  # a loss seen since the read already took it out
+                learn(rank, kv)
 
         def observed() -> dict[int, int]:
             return {r: c.clock for r, c in seen.items() if r in self.live and not c.done}
@@ -407,23 +439,36 @@ class LiveBarrier:
         watches = []
         try:
             # Clocks only grow: only the peers behind the bound can hold this worker up.
+            # Their watches start "now" (a start revision in the past puts a watch in
+            # etcd's unsynced group, whose events come up to 100 ms late) and are
+            # created together; a key whose watch etcd registered after the read's
+            # revision may have changed in between, so it is read again.
             behind = [r for r in observed() if seen[r].clock < self.clock - self.spec.bound]
             for rank in behind:
                 watches.append(
                     self.etcd.watch(
                         self.clock_key(rank),
                         lambda events: self._inbox.put(("sample", token, events)),
-                        revisions[rank] + 1,
+                        0,
+                        wait=False,
                     )
                 )
-                self.counters.watches += 1
+            self.counters.watches += len(watches)
+            late = [r for r, w in zip(behind, watches, strict=True) if w.created() > drawn.revision]
+            if late:
+                self.counters.rereads += len(late)
+                again = self.etcd.transaction([Get(self.clock_key(r)) for r in late]).reads
+                for rank, kv in zip(late, again, strict=True):
+                    learn(rank, kv)
+                if may_start(self.clock, observed().values(), self.spec.bound):
+                    return passage()
             while True:
                 item = self._next(deadline, lambda: sorted(observed()))
                 if item[0] == "sample" and item[1] == token:
                     for event in item[2]:
                         rank = rank_of(event.key)
                         if event.kind == "put":
-                            seen[rank] = Clock.parse(event.value)
+                            learn(rank, KeyValue(event.key, event.value, 0, event.revision, 0))
                         else:
                             self._peer_lost(rank, "its lease ended (the process died)")
                 else:

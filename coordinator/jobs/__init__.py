@@ -62,4 +62,20 @@ def _xgboost(params: dict[str, str], world_size: int) -> Job:
     return XGBoostJob(params, world_size)
 
 
-JOB_KINDS: dict[str, JobFactory] = {"noop": _noop, "steps": _steps, "xgboost": _xgboost}
+def _mnist(params: dict[str, str], world_size: int) -> Job:
+    try:
+        from coordinator.jobs.mnist import MnistJob  # PyTorch: an extra, and slow to import
+    except ImportError as exc:
+        raise ValueError(
+            f"mnist job: needs PyTorch ({exc.name} is missing): "
+            "pip install 'etcd-coordinator[mnist]'"
+        ) from None
+    return MnistJob(params, world_size)
+
+
+JOB_KINDS: dict[str, JobFactory] = {
+    "noop": _noop,
+    "steps": _steps,
+    "xgboost": _xgboost,
+    "mnist": _mnist,
+}

@@ -34,17 +34,22 @@ from coordinator.jobs.params import check_known, float_param, int_param
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
-KNOWN = {
+#: Parameters of the step barrier, shared by every job whose steps it paces.
+BARRIER_PARAMS = {
     "method": "bsp|ssp|asp|pbsp|pssp|dssp",
     "staleness": "SSP/pSSP s, DSSP S_L",
     "staleness_upper": "DSSP S_U",
     "sample": "pBSP/pSSP beta",
+    "on_loss": "fail|continue",
+}
+
+KNOWN = {
+    **BARRIER_PARAMS,
     "num_steps": "steps per worker",
     "last_step": "absolute final clock",
     "step_seconds": "seconds per step",
     "straggler_rank": "rank slowed down",
     "straggler_factor": "its slowdown",
-    "on_loss": "fail|continue",
     "seed": "sample seed",
 }
 
@@ -61,56 +66,82 @@ class StepOptions:
     seed: int | None
 
 
-def parse(params: dict[str, str], world_size: int) -> StepOptions:
-    """Check every parameter before any waiting; a ValueError names the bad field."""
-    check_known("steps", params, KNOWN)
+def parse_barrier(job: str, params: dict[str, str]) -> tuple[BarrierSpec, OnLoss]:
+    """The barrier method and what a lost peer does; a ValueError names the bad field."""
     if "method" not in params:
-        raise ValueError("steps job: parameter method is required (bsp|ssp|asp|pbsp|pssp|dssp)")
+        raise ValueError(f"{job} job: parameter method is required (bsp|ssp|asp|pbsp|pssp|dssp)")
     try:
         method = Method(params["method"].lower())
     except ValueError:
         raise ValueError(
-            f"steps job: parameter method={params['method']!r} is not one of "
+            f"{job} job: parameter method={params['method']!r} is not one of "
             f"{', '.join(m.value for m in Method)}"
         ) from None
     staleness, sample, upper = (
-        int_param("steps", params, name) or 0 for name in ("staleness", "sample", "staleness_upper")
+        int_param(job, params, name) or 0 for name in ("staleness", "sample", "staleness_upper")
     )
     try:
         spec = BarrierSpec(
             method, staleness=staleness, sample=sample, staleness_upper=upper
         ).validate()
     except ValueError as exc:
-        raise ValueError(f"steps job: {exc}") from None
-    num_steps, last_step = (
-        int_param("steps", params, "num_steps"),
-        int_param("steps", params, "last_step"),
-    )
-    if (num_steps is None) == (last_step is None):
-        raise ValueError("steps job: give exactly one of num_steps and last_step")
-    for name, value in (("num_steps", num_steps), ("last_step", last_step)):
-        if value is not None and value < 0:
-            raise ValueError(f"steps job: parameter {name} must be >= 0, got {value}")
-    straggler = int_param("steps", params, "straggler_rank")
-    if straggler is not None and not 0 <= straggler < world_size:
-        raise ValueError(
-            f"steps job: parameter straggler_rank={straggler} is not a rank (0..{world_size - 1})"
-        )
-    if "straggler_factor" in params and straggler is None:
-        raise ValueError("steps job: parameter straggler_factor needs straggler_rank")
+        raise ValueError(f"{job} job: {exc}") from None
     try:
         on_loss = OnLoss(params.get("on_loss", "fail"))
     except ValueError:
         raise ValueError(
-            f"steps job: parameter on_loss={params['on_loss']!r} is not fail or continue"
+            f"{job} job: parameter on_loss={params['on_loss']!r} is not fail or continue"
         ) from None
+    return spec, on_loss
+
+
+def parse_stop(
+    job: str, params: dict[str, str], *, required: bool = True
+) -> tuple[int | None, ...]:
+    """`num_steps` and `last_step`: exactly one (at most one unless `required`), >= 0."""
+    num_steps, last_step = (
+        int_param(job, params, "num_steps"),
+        int_param(job, params, "last_step"),
+    )
+    if (num_steps is not None and last_step is not None) or (
+        required and num_steps is None and last_step is None
+    ):
+        raise ValueError(f"{job} job: give exactly one of num_steps and last_step")
+    for name, value in (("num_steps", num_steps), ("last_step", last_step)):
+        if value is not None and value < 0:
+            raise ValueError(f"{job} job: parameter {name} must be >= 0, got {value}")
+    return num_steps, last_step
+
+
+def parse_straggler(job: str, params: dict[str, str], ranks: range) -> tuple[int | None, float]:
+    """Which rank is slowed down (it must be one that steps), and by what factor."""
+    straggler = int_param(job, params, "straggler_rank")
+    if straggler is not None and straggler not in ranks:
+        raise ValueError(
+            f"{job} job: parameter straggler_rank={straggler} is not a rank that steps "
+            f"({ranks.start}..{ranks.stop - 1})"
+        )
+    if "straggler_factor" in params and straggler is None:
+        raise ValueError(f"{job} job: parameter straggler_factor needs straggler_rank")
+    factor = float_param(job, params, "straggler_factor", 1.0)
+    if factor < 1:
+        raise ValueError(f"{job} job: parameter straggler_factor must be >= 1, got {factor:g}")
+    return straggler, factor
+
+
+def parse(params: dict[str, str], world_size: int) -> StepOptions:
+    """Check every parameter before any waiting; a ValueError names the bad field."""
+    check_known("steps", params, KNOWN)
+    spec, on_loss = parse_barrier("steps", params)
+    num_steps, last_step = parse_stop("steps", params)
+    straggler, factor = parse_straggler("steps", params, range(world_size))
     return StepOptions(
         spec=spec,
         num_steps=num_steps,
         last_step=last_step,
         step_seconds=float_param("steps", params, "step_seconds", 0.0),
         straggler_rank=straggler,
-        straggler_factor=float_param("steps", params, "straggler_factor", 1.0),
+        straggler_factor=factor,
         on_loss=on_loss,
         seed=int_param("steps", params, "seed"),
     )

@@ -19,11 +19,20 @@ def _greeting(job_id: str, member_id: str) -> bytes:
     return f"coordinator {job_id} {member_id}\n".encode()
 
 
+Handler = Callable[[socket.socket], None]
+
+
 class MemberEndpoint:
-    """A listening socket on `bind_host:port` (0: any free port) that greets callers."""
+    """A listening socket on `bind_host:port` (0: any free port) that greets callers.
+
+    A job can `serve` on it (a parameter server does): after the greeting the
+    connection goes to the handler, in a thread of its own, instead of being closed.
+    A caller that only wanted the greeting closes; the handler sees that at once.
+    """
 
     def __init__(self, job_id: str, member_id: str, bind_host: str, port: int = 0) -> None:
         self._greeting = _greeting(job_id, member_id)
+        self.handler: Handler | None = None
         self._sock = socket.create_server((bind_host, port), backlog=128)
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
@@ -36,14 +45,54 @@ class MemberEndpoint:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            with conn, contextlib.suppress(OSError):
+            handler = self.handler
+            try:
                 conn.sendall(self._greeting)
+            except OSError:
+                conn.close()
+                continue
+            if handler is None:
+                conn.close()
+            else:
+                threading.Thread(
+                    target=_handle, args=(handler, conn), daemon=True, name="member-channel"
+                ).start()
 
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+def _handle(handler: Handler, conn: socket.socket) -> None:
+    with conn:
+        handler(conn)
+
+
+def open_channel(
+    host: str, port: int, job_id: str, member_id: str, timeout: float
+) -> socket.socket:
+    """A connection to a member's endpoint, after checking its greeting: the socket then
+    belongs to the job's protocol (a trainer's link to a parameter server)."""
+    expected = _greeting(job_id, member_id)
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        received = b""
+        while not received.endswith(b"\n") and len(received) < len(expected):
+            chunk = sock.recv(len(expected) - len(received))
+            if not chunk:
+                break
+            received += chunk
+        if received != expected:
+            raise ConnectionError(
+                f"{host}:{port} answered {received[:80]!r}, expected {expected!r}"
+            )
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 def probe(

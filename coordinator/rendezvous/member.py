@@ -162,6 +162,7 @@ class Member:
         self._excused: set[int] = set()
         self._tolerate_loss = False
         self._wait_token = 0
+        self._loss_listeners: list[Callable[[int, str], None]] = []
 
     # -- the phases -------------------------------------------------------
 
@@ -427,6 +428,8 @@ class Member:
                 else:
                     self._lost.setdefault(rank, (state, self.phase))
                     self._trouble.set()
+                for listener in self._loss_listeners:
+                    listener(rank, loss_reason(state))
             self._inbox.put(("member", rank, state))
 
     def _on_session_lost(self, reason: str) -> None:
@@ -502,6 +505,18 @@ class Member:
         if self._session is None:
             raise RendezvousError("this member has no session (not joined, or already left)")
         self._session.on_lost(listener)
+
+    def on_member_lost(self, listener: Callable[[int, str], None]) -> None:
+        """Call `listener(rank, reason)` (from a watch thread; be quick) for each member lost
+        from now on, excused or not: for a job that must act on a loss while it trains."""
+        self._loss_listeners.append(listener)
+
+    def serve(self, handler: Callable[[socket.socket], None]) -> None:
+        """Hand connections to this member's roster endpoint to `handler` after the greeting
+        (one thread each): how a job offers a service at the address the others know."""
+        if self._endpoint is None:
+            raise RendezvousError("ip_exchange must come before serving on the endpoint")
+        self._endpoint.handler = handler
 
     def carry_on_without_lost(self) -> None:
         """From now on a lost member leaves the job instead of failing it: later barriers

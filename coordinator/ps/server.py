@@ -1,0 +1,338 @@
+"""One parameter server: its share of the model, updated by the trainers' gradients.
+
+Each trainer holds one connection to each server (a thread here per
+connection). A gradient is applied as it arrives, under one lock, with the
+chosen optimizer; its staleness (server version at apply minus the version the
+trainer computed it from) is logged. With `aggregate`, the gradients of one
+step from every live trainer are averaged, in trainer order, into one update,
+and each trainer's ACK waits for it: synchronous SGD.
+
+A pull copies the share under the lock into the connection's own buffer and
+sends it from there: the one copy that lets updates go on while the bytes
+travel, so no trainer ever reads weights an update is half-way through.
+
+Every `checkpoint_every` updates the server writes its share, the optimizer
+state, its version and the trainers' clocks to a file (temporary name, then
+rename), from which a rerun with `resume` continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from coordinator.ps import wire
+from coordinator.ps.wire import Dtype, Kind, PeerClosed, ProtocolError
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str  # sgd | adam
+    lr: float
+    momentum: float = 0.0
+
+    def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.name == "adam":
+            return torch.optim.Adam(params, lr=self.lr)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One gradient as the server applied it: the staleness log's row."""
+
+    trainer: int  # trainer index (0-based)
+    clock: int  # the trainer's clock after the step this gradient came from
+    computed_from: int  # the server version the trainer pulled
+    applied_at: int  # the server version just before this update
+    t: float  # seconds since the server started serving
+
+    @property
+    def staleness(self) -> int:
+        return self.applied_at - self.computed_from
+
+
+@dataclass
+class _Trainer:
+    clock: int = 0
+    connected: bool = False
+    finished: bool = False
+    gone: str = ""  # why its connection ended before it said BYE
+
+
+@dataclass
+class _Step:
+    """Gradients of one step waiting to be averaged (aggregate mode)."""
+
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    applied: bool = False
+
+
+class ParameterServer:
+    """Serve one share of the parameters to `trainers` trainers (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        round_: int,
+        index: int,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        trainers: int,
+        optimizer: OptimizerSpec,
+        aggregate: bool = False,
+        checkpoint: Path | None = None,
+        checkpoint_every: int = 0,
+        resume: bool = False,
+    ) -> None:
+        self.job_id, self.round, self.index = job_id, round_, index
+        self.layout = [(name, list(t.shape)) for name, t in tensors]
+        self.digest = wire.layout_digest(self.layout)
+        total = sum(t.numel() for _, t in tensors)
+        self.flat = torch.empty(total)
+        self.params: list[nn.Parameter] = []
+        offset = 0
+        for _, tensor in tensors:
+            n = tensor.numel()
+            self.flat[offset : offset + n].copy_(tensor.reshape(-1))
+            self.params.append(nn.Parameter(self.flat[offset : offset + n].view_as(tensor)))
+            offset += n
+        self.optimizer = optimizer.build(self.params)
+        self.aggregate = aggregate
+        self.version = 0
+        self.trainers = {t: _Trainer() for t in range(trainers)}
+        self.excused: set[int] = set()  # trainers the job goes on without
+        self.log: list[Applied] = []
+        self.checkpoint, self.checkpoint_every = checkpoint, checkpoint_every
+        self.resumed_from: int | None = None
+        self.started = time.monotonic()
+        self.changed = threading.Condition()
+        self._steps: dict[int, _Step] = {}
+        self._closed = False
+        if resume and checkpoint is not None and checkpoint.exists():
+            self._restore(checkpoint)
+        self.start_clocks = {t: s.clock for t, s in self.trainers.items()}
+
+    # -- the protocol, one thread per connection ---------------------------
+
+    def handle(self, sock: socket.socket) -> None:
+        """Serve one connection until BYE or until it breaks (the endpoint's handler)."""
+        wire.tune(sock)
+        try:
+            header = wire.receive_header(sock)
+        except (PeerClosed, ProtocolError):
+            return  # a greeting probe: it closed after reading the greeting
+        trainer: int | None = None
+        try:
+            if header.kind != Kind.HELLO:
+                raise ProtocolError(f"expected HELLO, got {header.kind.name}")
+            trainer = self._welcome(sock, wire.receive_json(sock, header))
+            self._serve(sock, trainer)
+        except (PeerClosed, ProtocolError) as exc:
+            if trainer is not None:
+                self._gone(trainer, str(exc))
+            elif not isinstance(exc, PeerClosed):
+                with contextlib.suppress(OSError):  # it may be gone already
+                    wire.send_json(sock, Kind.ERROR, {"message": str(exc)})
+
+    def _welcome(self, sock: socket.socket, hello: dict[str, Any]) -> int | None:
+        """Check who is calling; returns its trainer index (None for a reader)."""
+        if (hello.get("job"), hello.get("round")) != (self.job_id, self.round):
+            raise ProtocolError(
+                f"HELLO from job {hello.get('job')!r} round {hello.get('round')}, "
+                f"this is {self.job_id!r} round {self.round}"
+            )
+        if hello.get("layout") != self.digest:
+            raise ProtocolError(
+                f"model layout {hello.get('layout')} differs from server {self.index}'s "
+                f"{self.digest}: members run different model code"
+            )
+        trainer = hello.get("trainer")
+        with self.changed:
+            if trainer is not None:
+                if trainer not in self.trainers or self.trainers[trainer].connected:
+                    raise ProtocolError(f"trainer {trainer} is unknown or already connected")
+                self.trainers[trainer].connected = True
+            clock = self.trainers[trainer].clock if trainer is not None else 0
+            wire.send_json(sock, Kind.WELCOME, {"server": self.index}, a=self.version, b=clock)
+        return trainer
+
+    def _serve(self, sock: socket.socket, trainer: int | None) -> None:
+        snapshot = torch.empty_like(self.flat)
+        grad = torch.empty_like(self.flat)
+        while True:
+            header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.BYE)
+            if header.kind == Kind.PULL:
+                with self.changed:
+                    while self.version < header.a and not self._closed:
+                        self.changed.wait()
+                    snapshot.copy_(self.flat)
+                    version = self.version
+                wire.send(sock, Kind.WEIGHTS, version, 0, [_view(snapshot)], Dtype.FLOAT32)
+            elif header.kind == Kind.PUSH:
+                if trainer is None:
+                    raise ProtocolError("a reader cannot push gradients")
+                wire.receive_tensor(sock, header, _view(grad))
+                version, staleness = self._apply(trainer, header.b, header.a, grad)
+                if self.aggregate:
+                    grad = torch.empty_like(self.flat)  # the step keeps the old buffer
+                wire.send(sock, Kind.ACK, version, staleness)
+            else:
+                with self.changed:
+                    if trainer is not None:
+                        self.trainers[trainer].finished = True
+                    self._aggregate_ready()
+                    self.changed.notify_all()
+                wire.send(sock, Kind.ACK, self.version, 0)
+                return
+
+    # -- updates ----------------------------------------------------------
+
+    def _apply(
+        self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
+    ) -> tuple[int, int]:
+        with self.changed:
+            if not self.aggregate:
+                applied = Applied(trainer, clock, computed_from, self.version, self._now())
+                self._update(grad, [applied])
+                self.trainers[trainer].clock = clock
+                return self.version, applied.staleness
+            step = self._steps.setdefault(clock, _Step())
+            step.grads[trainer], step.versions[trainer] = grad, computed_from
+            self._aggregate_ready()
+            self.changed.wait_for(lambda: step.applied or self._closed)
+            if not step.applied:
+                raise PeerClosed("the server is shutting down")
+            return self.version, self.version - 1 - computed_from
+
+    def _aggregate_ready(self) -> None:
+        """Apply every waiting step that all live, unfinished trainers have pushed."""
+        expected = {
+            t for t, state in self.trainers.items()
+            if not state.finished and not state.gone and t not in self.excused
+        }  # fmt: skip
+        for clock in sorted(self._steps):
+            step = self._steps[clock]
+            if step.applied or not expected <= set(step.grads):
+                continue
+            order = sorted(step.grads)
+            mean = step.grads[order[0]].clone()
+            for t in order[1:]:
+                mean += step.grads[t]
+            mean /= len(order)
+            now = self._now()
+            rows = [Applied(t, clock, step.versions[t], self.version, now) for t in order]
+            self._update(mean, rows)
+            for t in order:
+                self.trainers[t].clock = clock
+            step.applied = True
+            del self._steps[clock]
+            self.changed.notify_all()
+
+    def _update(self, grad: torch.Tensor, rows: list[Applied]) -> None:
+        """One optimizer step with `grad` (called under the lock)."""
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            param.grad = grad[offset : offset + n].view_as(param)
+            offset += n
+        self.optimizer.step()
+        self.version += 1
+        self.log.extend(rows)
+        if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+            self._save_checkpoint()
+        self.changed.notify_all()
+
+    def _now(self) -> float:
+        return time.monotonic() - self.started
+
+    # -- trainers coming and going ------------------------------------------
+
+    def _gone(self, trainer: int, reason: str) -> None:
+        with self.changed:
+            state = self.trainers[trainer]
+            if not state.finished:
+                state.gone = reason
+                self._aggregate_ready()
+            self.changed.notify_all()
+
+    def excuse(self, trainer: int) -> None:
+        """Go on without a lost trainer (`on_loss=continue`)."""
+        with self.changed:
+            self.excused.add(trainer)
+            self._aggregate_ready()
+            self.changed.notify_all()
+
+    def broken(self) -> dict[int, str]:
+        """Trainers whose connection ended without BYE and that are not excused."""
+        return {t: s.gone for t, s in self.trainers.items() if s.gone and t not in self.excused}
+
+    def done(self) -> bool:
+        """Every trainer finished, or was excused after it was lost."""
+        return all(s.finished or t in self.excused for t, s in self.trainers.items())
+
+    def close(self) -> None:
+        with self.changed:
+            self._closed = True
+            self.changed.notify_all()
+
+    # -- checkpoints --------------------------------------------------------
+
+    def _save_checkpoint(self) -> None:
+        assert self.checkpoint is not None
+        state = {
+            "version": self.version,
+            "clocks": {t: s.clock for t, s in self.trainers.items()},
+            "params": self.flat.clone(),
+            "optimizer": self.optimizer.state_dict(),
+            "layout": self.digest,
+        }
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.checkpoint.with_name(f".{self.checkpoint.name}.partial")
+        torch.save(state, partial)
+        partial.replace(self.checkpoint)  # never a half-written checkpoint under the name
+
+    def save_checkpoint(self) -> None:
+        with self.changed:
+            if self.checkpoint is not None:
+                self._save_checkpoint()
+
+    def _restore(self, path: Path) -> None:
+        state = torch.load(path, weights_only=True)  # tensors and numbers only: no code
+        if state["layout"] != self.digest or len(state["clocks"]) != len(self.trainers):
+            raise ValueError(
+                f"checkpoint {path} is of another model or trainer count "
+                f"({len(state['clocks'])} trainers); remove it or use another job id"
+            )
+        self.flat.copy_(state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = self.resumed_from = int(state["version"])
+        for t, clock in state["clocks"].items():
+            self.trainers[int(t)].clock = int(clock)
+
+    # -- reading it ---------------------------------------------------------
+
+    def snapshot(self) -> tuple[torch.Tensor, int]:
+        with self.changed:
+            return self.flat.clone(), self.version
+
+    def staleness_histogram(self) -> dict[int, int]:
+        with self.changed:
+            histogram: dict[int, int] = {}
+            for row in self.log:
+                histogram[row.staleness] = histogram.get(row.staleness, 0) + 1
+            return dict(sorted(histogram.items()))
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy())
