@@ -13,7 +13,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from coordinator.etcd.server import EmbeddedEtcd
@@ -153,13 +160,22 @@ def run(
     param: ParamOption = None,
     data: Annotated[
         str | None,
-        typer.Option(help="training data (xgboost): path/glob, synthetic:ROWSxFEATURES, builtin"),
+        typer.Option(
+            help="training data: xgboost: path/glob, synthetic:ROWSxFEATURES, builtin; "
+            "mnist: digits (builtin) or a directory of MNIST IDX files"
+        ),
     ] = None,
     rounds: Annotated[int | None, typer.Option(min=1, help="boosting rounds (xgboost)")] = None,
+    epochs: Annotated[
+        int | None, typer.Option(min=1, help="passes over each trainer's shard (mnist)")
+    ] = None,
+    method: Annotated[
+        str | None, typer.Option(help="step barrier (steps, mnist): bsp|ssp|asp|pbsp|pssp|dssp")
+    ] = None,
 ) -> None:
     """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
     job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
-    shortcuts = {"data": data, "rounds": rounds}
+    shortcuts = {"data": data, "rounds": rounds, "epochs": epochs, "method": method}
     param = [*(param or []), *(f"{k}={v}" for k, v in shortcuts.items() if v is not None)]
     # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -199,6 +215,7 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
     n = len(launcher.workers)
     with Progress(*columns, console=console, transient=False) as progress:
         tasks = {phase: progress.add_task(phase, total=n) for phase in PHASES}
+        clocks: dict[int, tuple[int, int]] = {}  # trainer rank -> (clock, target)
         while launcher.running() or not launcher.events.empty():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -217,6 +234,25 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
                 progress.update(
                     tasks["rounds"], completed=event["round"], description=f"round {metrics}"
                 )
+            elif event["event"] in ("step", "metrics"):  # the mnist job's trainers and server
+                _follow_steps(progress, tasks, event, clocks)
+
+
+def _follow_steps(
+    progress: Progress, tasks: dict[str, TaskID], event: dict, clocks: dict[int, tuple[int, int]]
+) -> None:
+    """One bar for all trainers' steps, titled with the latest test accuracy."""
+    if "steps" not in tasks:
+        tasks["steps"] = progress.add_task("training steps", total=None)
+    if event["event"] == "step":
+        clocks[event["rank"]] = (event["clock"], event["target"])
+        progress.update(
+            tasks["steps"],
+            completed=sum(clock for clock, _ in clocks.values()),
+            total=sum(target for _, target in clocks.values()),
+        )
+    else:
+        progress.update(tasks["steps"], description=f"steps, test accuracy {event['accuracy']:.4f}")
 
 
 def _report(workers: list[LocalWorker]) -> int:

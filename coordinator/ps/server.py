@@ -42,8 +42,8 @@ class OptimizerSpec:
 
     def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "adam":
-            return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+            return torch.optim.Adam(params, lr=self.lr, foreach=False)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, foreach=False)
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,14 @@ class ParameterServer:
         self.digest = wire.layout_digest(self.layout)
         total = sum(t.numel() for _, t in tensors)
         self.flat = torch.empty(total)
-        self.params: list[nn.Parameter] = []
         offset = 0
         for _, tensor in tensors:
-            n = tensor.numel()
-            self.flat[offset : offset + n].copy_(tensor.reshape(-1))
-            self.params.append(nn.Parameter(self.flat[offset : offset + n].view_as(tensor)))
-            offset += n
-        self.optimizer = optimizer.build(self.params)
+            self.flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+            offset += tensor.numel()
+        # One parameter for the whole share: SGD and Adam are elementwise, so this is the
+        # same update as per tensor, in one optimizer call instead of one per tensor.
+        self.param = nn.Parameter(self.flat)
+        self.optimizer = optimizer.build([self.param])
         self.aggregate = aggregate
         self.version = 0
         self.trainers = {t: _Trainer() for t in range(trainers)}
@@ -183,10 +183,12 @@ class ParameterServer:
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
                 wire.receive_tensor(sock, header, _view(grad))
-                version, staleness = self._apply(trainer, header.b, header.a, grad)
                 if self.aggregate:
+                    version, staleness = self._aggregate(trainer, header.b, header.a, grad)
                     grad = torch.empty_like(self.flat)  # the step keeps the old buffer
-                wire.send(sock, Kind.ACK, version, staleness)
+                    wire.send(sock, Kind.ACK, version, staleness)
+                else:
+                    self._apply(sock, trainer, header.b, header.a, grad)
             else:
                 with self.changed:
                     if trainer is not None:
@@ -199,14 +201,22 @@ class ParameterServer:
     # -- updates ----------------------------------------------------------
 
     def _apply(
+        self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
+    ) -> None:
+        """ACK first, then update, under the lock: the trainer goes on at once, and any pull
+        (taking the lock) still sees every gradient acknowledged before it. The ACK is 32
+        bytes to a trainer that waits for it, so sending it never blocks."""
+        with self.changed:
+            applied = Applied(trainer, clock, computed_from, self.version, self._now())
+            wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
+            self._update(grad, [applied])
+            self.trainers[trainer].clock = clock
+
+    def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
     ) -> tuple[int, int]:
+        """Keep this step's gradient until every live trainer's is in; the ACK waits."""
         with self.changed:
-            if not self.aggregate:
-                applied = Applied(trainer, clock, computed_from, self.version, self._now())
-                self._update(grad, [applied])
-                self.trainers[trainer].clock = clock
-                return self.version, applied.staleness
             step = self._steps.setdefault(clock, _Step())
             step.grads[trainer], step.versions[trainer] = grad, computed_from
             self._aggregate_ready()
@@ -241,11 +251,7 @@ class ParameterServer:
 
     def _update(self, grad: torch.Tensor, rows: list[Applied]) -> None:
         """One optimizer step with `grad` (called under the lock)."""
-        offset = 0
-        for param in self.params:
-            n = param.numel()
-            param.grad = grad[offset : offset + n].view_as(param)
-            offset += n
+        self.param.grad = grad
         self.optimizer.step()
         self.version += 1
         self.log.extend(rows)

@@ -1,0 +1,208 @@
+"""Parameter-server speed: the transport against a raw socket, training against one process.
+
+    python bench/ps.py                          # both parts, builtin digits
+    python bench/ps.py --data /usr/share/datasets/fashion-mnist --epochs 1
+
+1. **Transport.** One pull + push of the whole model (`MnistNet`, 861 kB each way)
+   through a real `ParameterServer` in another process, against the floor: the
+   same bytes sent to that process over a loopback TCP socket and the same
+   number of bytes sent back (no framing, no model, no optimizer). Both ends are
+   separate processes, as in a job.
+2. **Throughput.** The `mnist` job with 1 server + 2 trainers (real processes,
+   embedded etcd) under ASP and under BSP, against one process training the same
+   model on the same data, same batch size and epochs, with 2 threads. Each
+   figure is samples per second of training (the job's from its summary:
+   samples over the time from the start barrier to the last trainer's end).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from torch.nn import functional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coordinator.datasets.mnist import load_train_shard, parse_mnist
+from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.jobs.mnist import batch_rows
+from coordinator.ps.client import ServerAddress, ServerLinks
+from coordinator.ps.model import FlatModel, MnistNet, server_tensors
+from coordinator.ps.server import OptimizerSpec, ParameterServer
+from coordinator.rendezvous.endpoint import MemberEndpoint
+
+console = Console(width=120)
+JOB, MEMBER = "bench", "server-0"
+
+
+def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:  # type: ignore[type-arg]
+    """The other process: a parameter server on a member endpoint, and a raw echo."""
+    torch.set_num_threads(1)
+    server = ParameterServer(
+        job_id=JOB,
+        round_=1,
+        index=0,
+        tensors=server_tensors(MnistNet(), 1, 0),
+        trainers=1,
+        optimizer=OptimizerSpec("sgd", 0.01, 0.9),
+    )
+    endpoint = MemberEndpoint(JOB, MEMBER, "127.0.0.1")
+    endpoint.handler = server.handle
+    raw = socket.create_server(("127.0.0.1", 0))
+    ready.put((endpoint.port, raw.getsockname()[1], server.flat.numel() * 4))
+    conn, _ = raw.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffer = bytearray(server.flat.numel() * 4)
+    view = memoryview(buffer)
+    with conn:
+        while True:  # receive the model's bytes, send as many back
+            got = 0
+            while got < len(buffer):
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    stop.wait()
+                    endpoint.close()
+                    return
+                got += n
+            conn.sendall(view)
+
+
+def transport(repeats: int) -> tuple[float, float, int]:
+    """Median seconds of (one raw round trip of the model's bytes, one pull + push)."""
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Queue(), context.Event()
+    process = context.Process(target=_serve, args=(ready, stop))
+    process.start()
+    try:
+        ps_port, raw_port, size = ready.get(timeout=60)
+        payload = memoryview(bytearray(size))
+        raw_times = []
+        with socket.create_connection(("127.0.0.1", raw_port)) as raw:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(repeats):
+                began = time.perf_counter()
+                raw.sendall(payload)
+                got = 0
+                while got < size:
+                    got += raw.recv_into(payload[got:])
+                raw_times.append(time.perf_counter() - began)
+        flat = FlatModel.build(MnistNet(), 1)
+        links = ServerLinks(
+            flat,
+            [ServerAddress(0, "127.0.0.1", ps_port, MEMBER)],
+            job_id=JOB,
+            round_=1,
+            trainer=0,
+            timeout=10,
+        )
+        ours = []
+        for step in range(repeats):
+            began = time.perf_counter()
+            links.pull()
+            links.push(step + 1)
+            ours.append(time.perf_counter() - began)
+        links.bye()
+        links.close()
+        return statistics.median(raw_times), statistics.median(ours), size
+    finally:
+        stop.set()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+def one_process(data: str, epochs: int, batch_size: int, threads: int) -> float:
+    """Samples per second of plain training in this process (the baseline)."""
+    torch.set_num_threads(threads)
+    shard = load_train_shard(parse_mnist(data), 0, 1)
+    x, y = torch.from_numpy(shard.x), torch.from_numpy(shard.y)
+    torch.manual_seed(0)
+    model = MnistNet(shard.x.shape[2], shard.x.shape[3])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    rows = len(shard.y)
+    steps = epochs * -(-rows // batch_size)
+    began = time.perf_counter()
+    for step in range(steps):
+        batch = batch_rows(0, 0, rows, batch_size, step)
+        optimizer.zero_grad()
+        functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    return epochs * rows / (time.perf_counter() - began)
+
+
+def job(endpoint: str, data: str, epochs: int, batch_size: int, method: str) -> dict:
+    """Run the mnist job (1 server, 2 trainers) as real processes; its summary."""
+    job_id = f"bench-{method}-{uuid.uuid4().hex[:6]}"
+    with tempfile.TemporaryDirectory() as artifacts:
+        params = {
+            "data": data, "epochs": epochs, "batch_size": batch_size, "method": method,
+            "eval_seconds": 3600, "checkpoint_every": 0, "artifacts": artifacts,
+        }  # fmt: skip
+        args = [
+            sys.executable, "-m", "coordinator", "worker", "--job", job_id, "--world-size", "3",
+            "--etcd", endpoint, "--kind", "mnist",
+            *(arg for k, v in params.items() for arg in ("--param", f"{k}={v}")),
+        ]  # fmt: skip
+        processes = [
+            subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for _ in range(3)
+        ]
+        try:
+            for process in processes:
+                _, err = process.communicate(timeout=1800)
+                if process.returncode:
+                    raise RuntimeError(f"a {method} member exited {process.returncode}: {err}")
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+        return json.loads((Path(artifacts) / job_id / "summary.json").read_text())
+
+
+def main(
+    data: str = typer.Option("digits", help="digits (builtin) or a directory of IDX files"),
+    epochs: int = typer.Option(3, help="epochs of the throughput runs"),
+    batch_size: int = typer.Option(32, help="samples per step (per trainer)"),
+    repeats: int = typer.Option(200, help="round trips of the transport part"),
+) -> None:
+    floor, ours, size = transport(repeats)
+    table = Table(title=f"transport: the model's {size / 1e3:.0f} kB each way, median of {repeats}")
+    for column in ("what", "ms", "x floor speed"):
+        table.add_column(column, justify="right")
+    table.add_row("raw loopback round trip (floor)", f"{floor * 1e3:.3f}", "1.00")
+    table.add_row("pull + push (ours)", f"{ours * 1e3:.3f}", f"{floor / ours:.2f}")
+    console.print(table)
+
+    baseline = one_process(data, epochs, batch_size, threads=2)
+    table = Table(title=f"throughput: {data}, {epochs} epochs, batch {batch_size}")
+    for column in ("run", "samples/s", "x one process", "test accuracy"):
+        table.add_column(column, justify="right")
+    table.add_row("one process, 2 threads", f"{baseline:.0f}", "1.00", "")
+    with EmbeddedEtcd() as server:
+        for method in ("asp", "bsp"):
+            summary = job(server.endpoint, data, epochs, batch_size, method)
+            rate = summary["samples_per_second"]
+            table.add_row(
+                f"1 server + 2 trainers, {method}",
+                f"{rate:.0f}",
+                f"{rate / baseline:.2f}",
+                f"{summary['test_accuracy']:.4f}",
+            )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    typer.run(main)
