@@ -198,3 +198,25 @@ def test_etcd_restart_mid_rendezvous_is_survived(spawn, tmp_path: Path, namespac
             assert w.wait_exit(timeout=60) == 0, w.stderr
         with Etcd(server.endpoint, namespace=namespace) as etcd:
             assert etcd.count_prefix(etcd.key("jobs", "job") + "/") == 0
+
+
+def test_member_killed_while_the_job_trains_stops_the_others_at_once(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn
+) -> None:
+    """A noop job holding 60 s of "training": a kill is acted on within TTL + 2 s, not at
+    the next barrier a minute later."""
+    args = worker_args(
+        etcd_server.endpoint, etcd.namespace, "job", 3, ttl=TTL, param="seconds=60"
+    )
+    procs = [spawn(args) for _ in range(3)]
+    for proc in procs:
+        proc.wait_event(lambda e: e.get("phase") == "connect")
+    victim = procs[1]
+    rank = victim.wait_event(lambda e: e.get("phase") == "connect")["rank"]
+    victim.kill()
+    killed_at = time.monotonic()
+    for proc in (procs[0], procs[2]):
+        assert proc.wait_exit(timeout=TTL + 10) == MemberLost.exit_code
+        assert proc.exited_at is not None and proc.exited_at - killed_at < TTL + 2 + 1
+        failed = proc.wait_event(lambda e: e["event"] == "failed")
+        assert failed["phase"] == "training" and f"rank {rank} " in failed["message"]
