@@ -81,6 +81,7 @@ KNOWN = {
     "optimizer": "sgd (default, with momentum) or adam",
     "lr": "learning rate (default 0.02 for sgd, 0.001 for adam)",
     "momentum": "sgd momentum (default 0.9)",
+    "lr_decay": "the learning rate is multiplied by this after each epoch's updates (default 0.7)",
     "aggregate": "bsp only: average each step's gradients into one update (default false)",
     "straggler_rank": "trainer rank slowed down",
     "straggler_factor": "its compute time is multiplied by this",
@@ -159,6 +160,10 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
     straggler, factor = parse_straggler(JOB, params, range(servers, world_size))
     data = parse_mnist(params.get("data", "digits"), field="data")
     check_train_shards(data, trainers)
+    batch_size = _positive(params, "batch_size", 32)
+    decay = float_param(JOB, params, "lr_decay", 0.7)
+    if not 0 < decay <= 1:
+        raise ValueError(f"{JOB} job: parameter lr_decay must be in (0, 1], got {decay:g}")
     return MnistOptions(
         data=data,
         servers=servers,
@@ -168,8 +173,14 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
         epochs=epochs,
         num_steps=num_steps,
         last_step=last_step,
-        batch_size=_positive(params, "batch_size", 32),
-        optimizer=OptimizerSpec(name, lr, float_param(JOB, params, "momentum", 0.9)),
+        batch_size=batch_size,
+        optimizer=OptimizerSpec(
+            name,
+            lr,
+            float_param(JOB, params, "momentum", 0.9),
+            decay=decay,
+            decay_every=_updates_per_epoch(data, trainers, batch_size, aggregate),
+        ),
         aggregate=aggregate,
         straggler_rank=straggler,
         straggler_factor=factor,
@@ -180,6 +191,15 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
         threads=_positive(params, "threads", 1),
         artifacts=_artifacts_dir(params),
     )
+
+
+def _updates_per_epoch(data: MnistSource, trainers: int, batch_size: int, aggregate: bool) -> int:
+    """Server updates while every trainer makes one pass over its shard (the decay period)."""
+    steps = [
+        steps_per_epoch(sum(p.rows for p in pieces), batch_size)
+        for pieces in plan([data.train_count], trainers)
+    ]
+    return max(steps) if aggregate else sum(steps)
 
 
 def _positive(params: dict[str, str], name: str, default: int) -> int:
@@ -407,16 +427,14 @@ class MnistJob:
         while True:
             losses = dict(self._losses)
             servers = [r for r in losses if r < self.options.servers]
-            if losses and (self.options.on_loss == OnLoss.FAIL or servers):
-                rank = next(iter(losses)) if self.options.on_loss == OnLoss.FAIL else servers[0]
+            if servers or (losses and self.options.on_loss == OnLoss.FAIL):
+                rank = servers[0] if self.options.on_loss == OnLoss.CONTINUE else next(iter(losses))
                 raise MemberLost(rank, "training", f"{losses[rank]}; connection: {error}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RuntimeError(f"a parameter server connection failed: {error}") from error
+            self._lost_event.wait(remaining)  # the next loss etcd reports
             self._lost_event.clear()
-            if self._losses:
-                continue
-            self._lost_event.wait(remaining)
 
     # -- the server's side ----------------------------------------------------
 

@@ -39,6 +39,8 @@ class OptimizerSpec:
     name: str  # sgd | adam
     lr: float
     momentum: float = 0.0
+    decay: float = 1.0  # the learning rate is multiplied by this every `decay_every` updates
+    decay_every: int = 0
 
     def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "adam":
@@ -108,6 +110,7 @@ class ParameterServer:
         # same update as per tensor, in one optimizer call instead of one per tensor.
         self.param = nn.Parameter(self.flat)
         self.optimizer = optimizer.build([self.param])
+        self.decay, self.decay_every = optimizer.decay, optimizer.decay_every
         self.aggregate = aggregate
         self.version = 0
         self.trainers = {t: _Trainer() for t in range(trainers)}
@@ -255,6 +258,10 @@ class ParameterServer:
         self.optimizer.step()
         self.version += 1
         self.log.extend(rows)
+        every = self.decay_every
+        if every and self.version % every == 0:  # an epoch's worth of updates
+            for group in self.optimizer.param_groups:
+                group["lr"] *= self.decay
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self._save_checkpoint()
         self.changed.notify_all()
