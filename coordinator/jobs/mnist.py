@@ -365,6 +365,7 @@ class MnistJob:
         reported = 0.0
         try:
             barrier.start()
+            member.phase = "training"  # after the start barrier: failures name the phase
             began = time.time()
             while barrier.clock < target:
                 passage = barrier.wait_turn()
@@ -442,6 +443,7 @@ class MnistJob:
         options = self.options
         rank = _rank(member)
         member.barrier("steps-start")  # the trainers' start barrier: everyone begins together
+        member.phase = "training"
         began = time.time()
         evaluator = Evaluator(self, member, server, began) if rank == 0 else None
         try:

@@ -175,6 +175,7 @@ def run(member: Member, options: StepOptions) -> dict[str, object]:
     waited = 0.0
     try:
         barrier.start()
+        member.phase = "training"  # after the start barrier: failures name the phase
         began = time.time()
         first_step_at: float | None = None
         while barrier.clock < target:
