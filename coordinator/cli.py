@@ -317,6 +317,9 @@ def k8s_manifests(
     ] = None,
     kind: Annotated[JobKind, typer.Option(help="job kind")] = "noop",  # type: ignore[assignment]
     namespace: Annotated[str, typer.Option(help="key prefix of this deployment")] = "/coordinator",
+    param: Annotated[
+        list[str] | None, typer.Option(help="job parameter KEY=VALUE (repeat, or comma-separate)")
+    ] = None,
 ) -> None:
     """Print Kubernetes manifests for one job: `coordinator k8s ... | kubectl apply -f -`."""
     # Imported here: the manifests are only needed by this command.
@@ -330,9 +333,12 @@ def k8s_manifests(
             etcd=etcd,
             namespace_prefix=namespace,
             kind=kind.value,
+            params=",".join(f"{k}={v}" for k, v in parse_params(param or []).items()),
         )
     except k8s_deploy.InvalidValue as exc:
         raise typer.BadParameter(str(exc), param_hint=f"--{exc.field}") from None
+    except ValueError as exc:  # a parameter that is not KEY=VALUE
+        raise typer.BadParameter(str(exc), param_hint="--param") from None
     except FileNotFoundError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None

@@ -129,6 +129,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if choice is None:
             choice = "both" if containers_available() is None else "embedded"
         sources = ["embedded", "container"] if choice == "both" else [choice]
+        if metafunc.definition.get_closest_marker("one_etcd") and len(sources) > 1:
+            sources = sources[:1]  # what it tests does not depend on where etcd runs
         metafunc.parametrize("etcd_source", sources, scope="session")
 
 

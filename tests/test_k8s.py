@@ -109,6 +109,19 @@ def test_rendered_manifests_for_four_workers_pass_strict_schema_validation(versi
     validate_all(k8s.render(4, "Demo_1", etcd="etcd.infra:2379", kind="noop"), version)
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_an_mnist_job_renders_valid_manifests_with_its_kind_and_parameters(version: str) -> None:
+    """The documented MNIST run: 3 pods (a parameter server and two trainers)."""
+    docs = k8s.render(3, "m", image="r/etcd-coordinator:mnist", kind="mnist", params="epochs=3")
+    validate_all(docs, version)
+    assert only(docs, "Job")["spec"]["completions"] == 3
+    values = {name: var.get("value") for name, var in env(worker(docs)).items()}
+    assert values["COORDINATOR_KIND"] == "mnist"
+    assert values["COORDINATOR_WORLD_SIZE"] == "3"
+    assert values["COORDINATOR_PARAMS"] == "epochs=3"
+    assert worker(docs)["image"] == "r/etcd-coordinator:mnist"
+
+
 def test_the_validator_catches_a_misspelt_field_and_a_wrong_type() -> None:
     """The schema check above can fail: strict mode rejects what a cluster would ignore."""
     job = only(k8s.render(4, "demo"), "Job")
@@ -272,7 +285,8 @@ def test_render_does_not_change_what_load_returns() -> None:
         ({"job": ""}, "job", "job id '' must be"),
         ({"etcd": "nohost"}, "etcd", "'nohost' is not HOST:PORT"),
         ({"etcd": ","}, "etcd", "no etcd endpoint given"),
-        ({"kind": "nope"}, "kind", "kind 'nope' is not one of: noop"),
+        ({"kind": "nope"}, "kind", "kind 'nope' is not one of: mnist, noop, steps, xgboost"),
+        ({"params": "a=1\nb=2"}, "params", "params must be one line"),
         ({"image": "bad image"}, "image", "image 'bad image'"),
     ],
 )
@@ -357,6 +371,15 @@ def test_cli_with_an_external_etcd_and_image() -> None:
     assert sorted(d["kind"] for d in docs) == ["Job", "Service"]
     assert worker(docs)["image"] == "r/i:2"
     assert env(worker(docs))["COORDINATOR_ETCD"]["value"] == "etcd.infra:2379"
+
+
+def test_cli_renders_an_mnist_job() -> None:
+    result = coordinator("k8s", "--workers", "3", "--job", "m", "--kind", "mnist")
+    assert result.returncode == 0, result.stderr
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert env(worker(docs))["COORDINATOR_KIND"]["value"] == "mnist"
+    assert only(docs, "Job")["spec"]["parallelism"] == 3
+    validate_all(docs, K8S_VERSIONS[-1])
 
 
 @pytest.mark.parametrize(

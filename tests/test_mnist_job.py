@@ -31,6 +31,9 @@ from coordinator.jobs.mnist import batch_rows, initial_model, parse
 from coordinator.ps.model import MnistNet
 from tests.conftest import Proc, wait_until, worker_args
 
+# Training is the subject here, not where etcd runs: once, against the embedded etcd.
+pytestmark = pytest.mark.one_etcd
+
 WORLD = 3  # one parameter server (rank 0) and two trainers (ranks 1, 2)
 TTL = 2
 

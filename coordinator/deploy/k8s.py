@@ -78,7 +78,9 @@ def job_name(job: str) -> str:
     return name
 
 
-def _check(workers: int, job: str, image: str, etcd: str | None, kind: str) -> str | None:
+def _check(
+    workers: int, job: str, image: str, etcd: str | None, kind: str, params: str
+) -> str | None:
     """Validate the inputs; return the normalised etcd endpoints (or None)."""
     if isinstance(workers, bool) or not isinstance(workers, int):
         raise InvalidValue("workers", f"workers must be an integer, not {workers!r}")
@@ -92,6 +94,8 @@ def _check(workers: int, job: str, image: str, etcd: str | None, kind: str) -> s
         raise InvalidValue("image", f"image {image!r} must be a non-empty image reference")
     if kind not in JOB_KINDS:
         raise InvalidValue("kind", f"kind {kind!r} is not one of: {', '.join(sorted(JOB_KINDS))}")
+    if "\n" in params or "\r" in params:
+        raise InvalidValue("params", f"params must be one line (KEY=VALUE,...), not {params!r}")
     if etcd is None:
         return None
     try:
@@ -112,13 +116,15 @@ def render(
     etcd: str | None = None,
     namespace_prefix: str = DEFAULT_NAMESPACE,
     kind: str = "noop",
+    params: str = "",
 ) -> list[Manifest]:
     """The manifests for one job of `workers` members.
 
+    `params` is the job's COORDINATOR_PARAMS (KEY=VALUE,..., e.g. `epochs=3` for mnist).
     With `etcd`, the bundled etcd is left out and the workers use those endpoints.
     Raises InvalidValue (a ValueError naming the field) for bad input.
     """
-    endpoints = _check(workers, job, image, etcd, kind)
+    endpoints = _check(workers, job, image, etcd, kind, params)
     docs = copy.deepcopy(load())
     if endpoints is not None:
         docs = [doc for doc in docs if not _is_bundled_etcd(doc)]
@@ -133,6 +139,7 @@ def render(
         "COORDINATOR_WORLD_SIZE": str(workers),
         "COORDINATOR_KIND": kind,
         "COORDINATOR_NAMESPACE": namespace_prefix,
+        "COORDINATOR_PARAMS": params,
     }
     if endpoints is not None:
         values["COORDINATOR_ETCD"] = endpoints

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import docker
@@ -28,6 +28,10 @@ COMPOSE_FILE = REPO / "compose" / "compose.yaml"
 LABEL = "etcd-coordinator-test"
 IMAGE_PREFIX = "localhost/etcd-coordinator-test"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# One worker image for every container test: with the mnist extra (PyTorch), so the
+# MNIST compose test runs on it too. A second, plain image would cost CI another
+# full build for no test that needs it.
+WORKER_EXTRAS = "mnist"
 # Laid out like the official etcd image: binaries in /usr/local/bin, no entrypoint.
 ETCD_DOCKERFILE = """FROM scratch
 COPY etcd etcdctl /usr/local/bin/
@@ -94,11 +98,21 @@ class PodmanService:
                 self.process.wait()
 
 
-@dataclass(frozen=True)
 class Images:
-    etcd: str
-    python_base: str
-    worker: str
+    """The tests' images, each built (or found by its tag) on first use: tests that
+    only need etcd never wait for debootstrap or the worker image."""
+
+    @cached_property
+    def etcd(self) -> str:
+        return build_etcd_image()
+
+    @cached_property
+    def python_base(self) -> str:
+        return build_python_base()
+
+    @cached_property
+    def worker(self) -> str:
+        return build_worker_image(self.python_base)
 
 
 def _digest(paths: list[Path], *extra: str) -> str:
@@ -154,15 +168,19 @@ def build_python_base() -> str:
     return tag
 
 
-def build_worker_image(python_base: str) -> str:
-    """The project's image from worker_image/Dockerfile, offline: wheels come from the host."""
+def build_worker_image(python_base: str, extras: str = WORKER_EXTRAS) -> str:
+    """The project's image from worker_image/Dockerfile, offline: wheels come from the host.
+
+    `extras` go to the Dockerfile's EXTRAS build argument, and their wheels (the CPU
+    torch wheel for `mnist`, from pip's find-links) into the wheelhouse.
+    """
     sources = [
         REPO / "worker_image" / "Dockerfile",
         REPO / "pyproject.toml",
         REPO / "README.md",
         *(REPO / "coordinator").rglob("*.py"),
     ]
-    tag = f"{IMAGE_PREFIX}/worker:{_digest(sources, python_base)}"
+    tag = f"{IMAGE_PREFIX}/worker:{_digest(sources, python_base, extras)}"
     if _exists(tag):
         return tag
     with tempfile.TemporaryDirectory() as context_dir:
@@ -174,21 +192,20 @@ def build_worker_image(python_base: str) -> str:
         wheelhouse = context / "worker_image" / "wheelhouse"
         subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheelhouse),
-             str(REPO), "setuptools", "wheel"],
+             f"{REPO}[{extras}]" if extras else str(REPO), "setuptools", "wheel"],
             check=True, capture_output=True, timeout=900,
         )  # fmt: skip
         podman(
             "build", "-q", "--build-arg", f"BASE_IMAGE={python_base}",
+            "--build-arg", f"EXTRAS={extras}",
             "-f", str(context / "worker_image" / "Dockerfile"), "-t", tag, str(context),
         )  # fmt: skip
     return tag
 
 
 def build_images() -> Images:
-    python_base = build_python_base()
-    return Images(
-        etcd=build_etcd_image(), python_base=python_base, worker=build_worker_image(python_base)
-    )
+    """The images, built lazily (see `Images`)."""
+    return Images()
 
 
 def compose(

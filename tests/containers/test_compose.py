@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import xgboost
 from docker.models.containers import Container
 
 from coordinator.etcd.client import Etcd
+from coordinator.ps.model import MnistNet
 from coordinator.rendezvous.errors import MemberLost
 from tests.conftest import wait_until
 from tests.containers.harness import LABEL, Images, PodmanService, compose
@@ -85,6 +87,25 @@ def exited(containers: list[Container]) -> bool:
     return all(c.status == "exited" for c in containers)
 
 
+@pytest.mark.timeout(1800)
+def test_the_worker_image_has_pytorch_for_cpu(
+    podman_service: PodmanService, images: Images
+) -> None:
+    """First in this module, so the worker image is built here, under a timeout of its
+    own: from nothing, debootstrap and the image with PyTorch take about 9 minutes."""
+    size = podman_service.client.images.get(images.worker).attrs["Size"]
+    assert size < 2e9, f"{size / 1e9:.2f} GB: CUDA packages in the image?"
+    script = (
+        "import importlib.metadata as m, torch, mlxtend; "
+        "print(torch.__version__, torch.version.cuda, "
+        "[d.name for d in m.distributions() if d.name.startswith('nvidia')])"
+    )
+    output = podman_service.client.containers.run(
+        images.worker, ["-c", script], entrypoint="python3", remove=True, labels={LABEL: "1"}
+    )
+    assert output.decode().split() == ["2.13.0+cpu", "None", "[]"]
+
+
 def test_compose_cluster_rendezvous(
     podman_service: PodmanService, images: Images, project: str
 ) -> None:
@@ -148,6 +169,37 @@ def test_compose_cluster_trains_xgboost_and_saves_the_model_in_the_artifacts_vol
         hashlib.sha256(xgboost.Booster(model_file=str(model)).save_raw("ubj")).hexdigest()
         == results[0]["model_sha256"]
     )
+
+
+def test_compose_cluster_trains_mnist_with_a_parameter_server_and_saves_the_model(
+    podman_service: PodmanService, images: Images, project: str
+) -> None:
+    """The documented MNIST run: 3 worker containers (rank 0 the parameter server, two
+    trainers) on the builtin digits; model.pt and summary.json in the `artifacts` volume."""
+    job = "compose-mnist"
+    env = compose_env(
+        images, job, WORKERS="3", COORDINATOR_KIND="mnist", COORDINATOR_PARAMS="epochs=2"
+    )
+    result = compose(project, "up", "-d", env=env)
+    assert result.returncode == 0, result.stderr
+    workers = service_containers(podman_service, project, "worker")
+    assert len(workers) == 3
+    wait_until(lambda: exited(workers), 240, "the three workers to train and finish")
+    results = {}
+    for worker in workers:
+        assert worker.attrs["State"]["ExitCode"] == 0, worker.logs().decode()[-2000:]
+        done = next(e for e in events(worker) if e["event"] == "done")
+        results[done["rank"]] = done["result"]
+    assert sorted(results) == [0, 1, 2]
+    assert results[0]["model_path"] == f"/artifacts/{job}/model.pt"
+    assert [results[rank]["role"] for rank in (1, 2)] == ["trainer", "trainer"]
+    folder = Path(podman_service.client.volumes.get(f"{project}_artifacts").attrs["Mountpoint"])
+    summary = json.loads((folder / job / "summary.json").read_text())
+    assert (summary["servers"], summary["trainers"]) == (1, 2)
+    # The builtin digits reach about 0.94 after 2 epochs.
+    assert 0.8 < summary["test_accuracy"] <= 1
+    assert summary["test_accuracy"] == results[0]["metrics"]["test_accuracy"]
+    MnistNet().load_state_dict(torch.load(folder / job / "model.pt", weights_only=True))
 
 
 def test_killed_worker_container_fails_the_others_fast(
