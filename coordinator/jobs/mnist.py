@@ -448,13 +448,13 @@ class MnistJob:
         evaluator = Evaluator(self, member, server, began) if rank == 0 else None
         try:
             self._wait_for_trainers(member, server)
+            ended = time.time()  # training time: the final evaluation is not part of it
             if evaluator is not None:
                 evaluator.stop()
         finally:
             if evaluator is not None:
                 evaluator.close()
             server.close()
-        ended = time.time()
         server.save_checkpoint()
         folder = options.artifacts / member.job_id
         self._write_staleness_log(folder / f"staleness-{rank}.csv", server)
