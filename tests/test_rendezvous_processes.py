@@ -205,9 +205,7 @@ def test_member_killed_while_the_job_trains_stops_the_others_at_once(
 ) -> None:
     """A noop job holding 60 s of "training": a kill is acted on within TTL + 2 s, not at
     the next barrier a minute later."""
-    args = worker_args(
-        etcd_server.endpoint, etcd.namespace, "job", 3, ttl=TTL, param="seconds=60"
-    )
+    args = worker_args(etcd_server.endpoint, etcd.namespace, "job", 3, ttl=TTL, param="seconds=60")
     procs = [spawn(args) for _ in range(3)]
     for proc in procs:
         proc.wait_event(lambda e: e.get("phase") == "connect")
