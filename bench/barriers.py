@@ -1,15 +1,19 @@
-"""Per-step overhead of the live step barrier with no compute: BSP against pBSP(beta).
+"""Per-step overhead of the live step barrier with no compute: BSP against pBSP and pSSP.
 
 P members are separate processes, as live workers are, against an embedded
 etcd on loopback. After the rendezvous and the start barrier, every member
 runs `--steps` steps of `wait_turn` + `complete` with no work in between; the
 time per step is the whole job's wall time over the steps. Operations are the
 requests each member's client sent during the steps (transactions, puts,
-reads, watch creations), per worker per step. The floor, measured in the same
-run: one put and the watch notification it causes, seen by another client.
+reads, watch creations, lease keepalives), per worker per step; reads and
+watches per check are the peer clocks a check read and the watches it created.
+The floor, measured in the same run: one put and the watch notification it
+causes, seen by another client.
 
     python bench/barriers.py                       # P = 4, 16, 64
     python bench/barriers.py --sizes 4,16 --steps 100 --beta 4
+    python bench/barriers.py --sizes 16 --methods bsp,pbsp   # a subset of the methods
+    python bench/barriers.py --sizes 4,16 --repeat 5         # medians: a shared machine is noisy
 
 A BSP step needs every worker to put once and be notified once, so with more
 workers than cores a step cannot take less than P times the CPU one
@@ -93,12 +97,18 @@ def member(endpoint: str, namespace: str, p: int, spec: BarrierSpec, steps: int)
         barrier.finish()
         joined.barrier("training")
         joined.cleaner()
-        reads = barrier.counters.reads / max(1, barrier.counters.checks)
-        return {"began": began, "ended": ended, "ops": after - before, "reads": reads}
+        checks = max(1, barrier.counters.checks)
+        return {
+            "began": began,
+            "ended": ended,
+            "ops": after - before,
+            "reads": barrier.counters.reads / checks,
+            "watches": barrier.counters.watches / checks,
+        }
 
 
 def measure(endpoint: str, p: int, spec: BarrierSpec, steps: int) -> dict[str, float]:
-    """Seconds per step, etcd operations per worker per step, reads per check."""
+    """Seconds per step, etcd operations per worker per step, reads and watches per check."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
     context = multiprocessing.get_context("spawn")  # no fork: the parent holds gRPC threads
     with context.Pool(p) as pool:
@@ -107,15 +117,28 @@ def measure(endpoint: str, p: int, spec: BarrierSpec, steps: int) -> dict[str, f
         "per_step": (max(r["ended"] for r in results) - min(r["began"] for r in results)) / steps,
         "ops": sum(r["ops"] for r in results) / p / steps,
         "reads": statistics.mean(r["reads"] for r in results),
+        "watches": statistics.mean(r["watches"] for r in results),
     }
 
 
 def main(
     sizes: str = typer.Option("4,16,64", help="comma-separated P values"),
     steps: int = typer.Option(100, help="steps per member"),
-    beta: int = typer.Option(4, help="pBSP sample size"),
+    beta: int = typer.Option(4, help="pBSP and pSSP sample size"),
+    staleness: int = typer.Option(1, help="pSSP staleness"),
+    methods: str = typer.Option("bsp,pbsp,pssp", help="comma-separated: bsp, pbsp, pssp"),
+    repeat: int = typer.Option(1, help="runs of each (P, method), interleaved; the median counts"),
 ) -> None:
-    specs = [BarrierSpec(Method.BSP), BarrierSpec(Method.PBSP, sample=beta)]
+    known = {
+        "bsp": BarrierSpec(Method.BSP),
+        "pbsp": BarrierSpec(Method.PBSP, sample=beta),
+        "pssp": BarrierSpec(Method.PSSP, staleness=staleness, sample=beta),
+    }
+    chosen = [name.strip() for name in methods.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        raise typer.BadParameter(f"unknown method(s) {', '.join(unknown)}", param_hint="--methods")
+    specs = [known[name] for name in chosen]
     cores = os.cpu_count() or 1
     with EmbeddedEtcd() as server:
         assert server.process is not None
@@ -124,24 +147,34 @@ def main(
             title=f"step barrier, no compute; floor (put + watch) = {base * 1e3:.2f} ms, "
             f"costing {cpu * 1e3:.2f} ms of CPU; {cores} cores"
         )
-        columns = ("P", "method", "ms/step", "x floor", "CPU bound ms", "x CPU bound")
-        for column in (*columns, "ops/worker/step", "reads/check"):
+        step_column = "ms/step" if repeat == 1 else f"ms/step (median of {repeat}: range)"
+        columns = ("P", "method", step_column, "x floor", "CPU bound ms", "x CPU bound")
+        for column in (*columns, "ops/worker/step", "reads/check", "watches/check"):
             table.add_column(column, justify="right")
         for p in (int(s) for s in sizes.split(",")):
+            runs: dict[BarrierSpec, list[dict[str, float]]] = {spec: [] for spec in specs}
+            for _ in range(repeat):  # interleaved, so that a busy spell hits every method
+                for spec in specs:
+                    runs[spec].append(measure(server.endpoint, p, spec, steps))
             for spec in specs:
-                result = measure(server.endpoint, p, spec, steps)
+                times = sorted(run["per_step"] for run in runs[spec])
+                result = min(
+                    runs[spec], key=lambda run: abs(run["per_step"] - times[len(times) // 2])
+                )
+                spread = f" ({times[0] * 1e3:.1f}-{times[-1] * 1e3:.1f})" if repeat > 1 else ""
                 # Every worker must put and be notified once per step: P floors of CPU
                 # shared by the cores is the least a step can take on this machine.
                 bound = max(base, p * cpu / cores)
                 table.add_row(
                     str(p),
                     str(spec),
-                    f"{result['per_step'] * 1e3:.2f}",
+                    f"{result['per_step'] * 1e3:.2f}{spread}",
                     f"{result['per_step'] / base:.1f}",
                     f"{bound * 1e3:.2f}",
                     f"{result['per_step'] / bound:.1f}",
                     f"{result['ops']:.2f}",
                     f"{result['reads']:.2f}",
+                    f"{result['watches']:.2f}",
                 )
     console.print(table)
 

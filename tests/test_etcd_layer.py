@@ -15,7 +15,9 @@ from coordinator.etcd.client import (
     First,
     Get,
     Put,
+    ValueIs,
     WatchEvent,
+    When,
     parse_endpoints,
     prefix_end,
 )
@@ -74,6 +76,36 @@ def test_transaction_runs_its_ops_only_when_the_ranges_are_empty(etcd: Etcd) -> 
     other = etcd.transaction([Put(etcd.key("raised"), "1")], when_empty=below_2, otherwise=[lowest])
     assert not other.succeeded and other.reads[0] is not None
     assert other.reads[0].key == prefix + "1/b" and etcd.get(etcd.key("raised")) is None
+
+
+def test_when_runs_its_puts_only_if_every_condition_holds(etcd: Etcd) -> None:
+    """pBSP's wake-up: a nested put, conditional on other workers' fixed-width clocks."""
+    at, mail = etcd.key("at") + "/", etcd.key("mail") + "/"
+    for name, value in (("a", "000000000012"), ("b", "000000000009"), ("done", "999999999999")):
+        etcd.put(at + name, value)
+
+    def wake(to: str, *others: str) -> When:
+        above = [ValueIs(at + name, ">", "000000000008") for name in (to, *others)]
+        return When((*above, ValueIs(at + to, "<", "999999999999")), (Put(mail + to, "x"),))
+
+    result = etcd.transaction(
+        [
+            Put(at + "b", "000000000010"),  # conditions see the store before this put
+            wake("a", "b", "done"),  # woken: all above 8 (a finished one counts)
+            wake("b", "a"),
+            wake("done", "a"),  # not woken: finished
+            wake("none", "a"),  # not woken: a missing key fails its condition
+            Get(at + "b"),
+        ]
+    )
+    assert [kv and kv.value for kv in result.reads] == [b"000000000010"]
+    assert [kv.key for kv in etcd.get_prefix(mail)[0]] == [mail + "a", mail + "b"]
+    exactly = When((ValueIs(at + "b", "=", "000000000010"),), (Put(mail + "c", "x"),))
+    etcd.transaction([exactly, When((ValueIs(at + "b", "=", "10"),), (Put(mail + "d", "x"),))])
+    assert [kv.key for kv in etcd.get_prefix(mail)[0]][2:] == [mail + "c"]
+    etcd.delete(mail + "a")
+    etcd.transaction([wake("a", "missing")])
+    assert etcd.get(mail + "a") is None
 
 
 def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Path) -> None:

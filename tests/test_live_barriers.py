@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from coordinator.barriers.live import LiveBarrier
+from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.steps import parse
@@ -143,8 +146,59 @@ def test_seed_000_stop_conditions_hold_for_restarted_late_and_early_finishing_wo
     assert min(r["first_step_at"] for r in results.values()) > late_at
 
 
+def test_psp_finisher_wakes_the_peers_that_wait_for_it(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
+) -> None:
+    """pBSP wakes a waiting worker by mail when a sampled peer gets there; a peer that
+    finishes short of that wakes everyone beyond it, or they would wait for ever."""
+    progress = etcd.key("jobs", "job", "steps", "progress")
+    etcd.put(f"{progress}/{STRAGGLER:06d}", json.dumps({"clock": 0, "target": 5}))
+    params = {"method": "pbsp", "sample": 1, "num_steps": 15, "step_seconds": 0.01, "seed": 3}
+    results = run_all(
+        etcd_server, etcd, spawn, {**params, "straggler_rank": STRAGGLER, "straggler_factor": 4}
+    )
+    assert results[STRAGGLER]["final_clock"] == 5
+    for rank in set(results) - {STRAGGLER}:
+        assert results[rank]["final_clock"] == 15
+        assert all(
+            clock - other <= 0
+            for clock, _, seen in results[rank]["passages"]
+            for other in seen.values()
+        )
+
+
+def test_psp_samples_are_drawn_alike_by_every_member() -> None:
+    """A worker knows whom to wake because it draws every peer's sample as they do."""
+    world = 16
+    barriers = [_offline_barrier(rank, world, sample=4) for rank in range(world)]
+    for clock in range(40):
+        samples = {b.rank: b.sample_of(b.rank, clock) for b in barriers}
+        for b in barriers:
+            assert len(samples[b.rank]) == 4 and b.rank not in samples[b.rank]
+            assert b.samplers(clock) == {r: s for r, s in samples.items() if b.rank in s}
+            assert all(other.sample_of(b.rank, clock) == samples[b.rank] for other in barriers)
+    # beta >= P - 1 observes everyone, as BSP/SSP do.
+    everyone = _offline_barrier(0, 4, sample=3)
+    assert everyone.sample_of(0, 7) == [1, 2, 3] and sorted(everyone.samplers(7)) == [1, 2, 3]
+
+
+def _offline_barrier(rank: int, world: int, sample: int) -> LiveBarrier:
+    """A barrier on a stand-in member: enough to draw samples, with no etcd behind it."""
+    member = SimpleNamespace(
+        etcd=None,
+        rank=rank,
+        world_size=world,
+        timeout=5.0,
+        round=41,
+        keys=SimpleNamespace(job="/j/"),
+    )
+    return LiveBarrier(member, BarrierSpec(Method.PBSP, sample=sample))  # type: ignore[arg-type]
+
+
 KILL_METHODS = {
     "pssp": {"method": "pssp", "staleness": 2, "sample": 1},  # reads a sample of clocks
+    # Samples everyone: a wake-up names the lost peer too, so it must be marked finished.
+    "pbsp": {"method": "pbsp", "sample": 2},
     "bsp": {"method": "bsp"},  # waits on the job's slowest clock only
 }
 

@@ -12,6 +12,13 @@ Keys, under `<ns>/jobs/<job>/steps/`:
   constrains nobody.
 - `<round>/slowest`: the job-wide slowest clock (BSP, SSP), raised by the one
   worker that leaves the lowest level last.
+- `<round>/at/<rank>` (PSP): the clock again, fixed-width so that another
+  worker's transaction can compare it; `DONE` once the worker finished or,
+  with `OnLoss.CONTINUE`, was lost (then put by whoever saw the loss). It is
+  what samples read.
+- `<round>/mail/<to>/<from>` (PSP): the wake-up of `to`, put by `from`: its new
+  clock, after which all of `to`'s sample is where `to` needs it (or `DONE`:
+  `from` finished). Leased by `from`.
 - `dssp/<rank>`: DSSP's credit (`remaining`, `granted_this_episode`). Not
   leased and not per round, so a restarted member continues its episode.
 
@@ -27,9 +34,16 @@ the clocks they need, and waits with watches, never by polling:
 - DSSP needs every clock (its controller predicts from the slowest worker's
   push times and asks who is fastest): one watch on the clocks prefix for the
   whole run keeps a local view, so a check costs no reads at all.
-- pBSP and pSSP draw one sample of beta live peers per step (`PER_STEP`), read
-  those beta keys (one request), and if they must wait, watch only those keys:
-  O(beta) keys read and watched per check, whatever P is.
+- pBSP and pSSP draw one sample of beta peers per step (`PER_STEP`), and read
+  those beta clocks in the transaction that publishes the step. A worker that
+  must wait is woken by the last of its sample to get there: every publishing
+  transaction also puts a wake-up in the mailbox of each worker that sampled
+  this one, on condition (checked by etcd, in the same transaction) that this
+  worker was the last one missing (see `_publish_sampled`). Samples are drawn
+  from a seed every member knows, so a worker knows who sampled it; each
+  watches its mailbox for the whole run. So a step is one request, a check
+  reads beta keys and creates no watch, and a wait costs one notification,
+  whatever P is.
 - ASP reads nothing.
 
 Only the `participants` step (all members by default; a parameter-server job's
@@ -44,6 +58,7 @@ with `OnLoss.CONTINUE`, leaves the barrier set and the rest carry on.
 
 from __future__ import annotations
 
+import bisect
 import json
 import queue
 import random
@@ -63,7 +78,10 @@ from coordinator.etcd.client import (
     KeyValue,
     LeaseNotFound,
     Put,
+    TxnOp,
+    ValueIs,
     Watch,
+    When,
     prefix_end,
 )
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
@@ -71,6 +89,7 @@ from coordinator.rendezvous.member import Member, loss_reason, member_state, ran
 
 DONE = 10**12 - 1  # the order level of a finished worker: above every clock
 LEVEL_DIGITS = 12
+MAX_TXN_OPS = 128  # etcd's default cap: a transaction's operations plus its widest nested one
 
 
 class OnLoss(StrEnum):
@@ -104,17 +123,74 @@ class Passage:
 
     clock: int
     slowest: int | None  # the slowest clock the decision relied on (BSP/SSP: job-wide, self too)
-    observed: dict[int, int]  # rank -> clock, the unfinished peers read (PSP sample, DSSP view)
+    # rank -> clock, the unfinished peers read (PSP sample, DSSP view); PSP passes a peer
+    # that a wake-up vouched for, but not read since, as `clock - s` (it is at least there)
+    observed: dict[int, int]
     waited: float  # seconds spent waiting
+
+
+class _StepRandom(random.Random):
+    """The generator of one sample: the same in every member, and cheap to create.
+
+    A pBSP/pSSP worker needs every peer's sample at each step (to know who may
+    wait for it), so P samples a step: seeding a Mersenne Twister costs about
+    10 µs, and `Random.sample` about 4. Here a SplitMix64 stream (Steele, Lea
+    and Flood) and a partial Fisher-Yates shuffle (`_positions`): about 2 µs.
+    """
+
+    def seed(self, a: Any = None, version: int = 2) -> None:
+        self._state = int(a or 0) & _MASK64
+
+    def getrandbits(self, k: int) -> int:
+        bits, have = 0, 0
+        while have < k:
+            self._state, value = _splitmix(self._state)
+            bits, have = (bits << 64) | value, have + 64
+        return bits >> (have - k)
+
+    def random(self) -> float:
+        return self.getrandbits(53) * 2.0**-53
+
+    def sample(self, population: Any, k: int, *, counts: Any = None) -> list[Any]:
+        """`k` of `population`, uniformly without replacement (`counts` is not supported)."""
+        if counts is not None or not 0 <= k <= len(population):
+            raise ValueError("sample larger than population, or counts given")
+        picked = [population[i] for i in _positions(self._state, len(population), k)]
+        self._state = (self._state + k * 0x9E3779B97F4A7C15) & _MASK64
+        return picked
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _positions(state: int, n: int, k: int) -> list[int]:
+    """`k` of `range(n)` without replacement, from a SplitMix64 stream at `state`."""
+    moved: dict[int, int] = {}
+    picked = []
+    for i in range(k):  # a partial Fisher-Yates shuffle: swap a later position into i
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        j = i + (z ^ (z >> 31)) % (n - i)  # the modulo's bias is below n / 2**64
+        picked.append(moved.get(j, j))
+        moved[j] = moved.get(i, i)
+    return picked
+
+
+def _splitmix(state: int) -> tuple[int, int]:
+    """SplitMix64: the next state and its 64-bit output."""
+    state = (state + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return state, z ^ (z >> 31)
 
 
 @dataclass(frozen=True)
 class _Sample:
-    """A check's sampled peers and their clock keys as read (None: gone) at `revision`."""
+    """One check's sample (pBSP/pSSP) and its clock keys as read (None: the key is gone)."""
 
     ranks: list[int]
     answers: list[KeyValue | None]
-    revision: int
 
 
 @dataclass
@@ -123,7 +199,6 @@ class _Counters:
     reads: int = 0
     watches: int = 0
     waits: int = 0
-    rereads: int = 0  # sampled clocks read again: their watch registered after the first read
     lost: list[int] = field(default_factory=list)
 
 
@@ -162,20 +237,25 @@ class LiveBarrier:
             raise ValueError(f"rank {self.rank} is not among the barrier's participants")
         self.live = set(self.participants) - {self.rank}  # peers still in the set
         self.counters = _Counters()
-        self._rng = random.Random(seed if seed is not None else member.round * 100003 + self.rank)
+        # Samples are drawn from a seed every member knows (the job's, or the round),
+        # so a worker can tell which peers sampled it at a given clock.
+        self._seed = seed if seed is not None else member.round
+        self._ordered = sorted(self.participants)
         self._intervals: deque[float] = deque(maxlen=5)
         self._last_push = time.time()
         self._view: dict[int, Clock] = {}  # every peer's clock (full-view methods)
         self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._token = 0
         self._watches: list[Watch] = []
         self._credit = Credit()
         self._by_slowest = spec.method in (Method.BSP, Method.SSP)
         self._full_view = spec.method == Method.DSSP
         self._level: int | None = None  # this worker's order level (BSP/SSP)
         self._slowest = -1  # the highest job-wide slowest clock known (BSP/SSP)
-        # pBSP/pSSP: the next check's sample, drawn and read when the step completed.
-        self._next_sample: _Sample | None = None
+        self._next_sample: _Sample | None = None  # pBSP/pSSP: read with the last publish
+        self._mail: dict[int, int] = {}  # pBSP/pSSP: the highest clock each peer mailed
+        self._vouched = -1  # pBSP/pSSP: the last clock whose whole sample a wake-up vouched for
+        self._stale = False  # pBSP/pSSP: a peer finished or was lost: a wake-up may never come
+        self._left: set[int] = set()  # pBSP/pSSP: lost peers whose `at` key is not DONE yet
 
     # -- keys -------------------------------------------------------------
 
@@ -201,10 +281,66 @@ class LiveBarrier:
     def credit_key(self) -> str:
         return f"{self.root}dssp/{self.rank:06d}"
 
+    def at_key(self, rank: int) -> str:
+        """pBSP/pSSP: a worker's clock, fixed-width, so a transaction can compare it."""
+        return f"{self.round_prefix}at/{rank:06d}"
+
+    def mailbox(self, rank: int) -> str:
+        return f"{self.round_prefix}mail/{rank:06d}/"
+
+    # -- samples (pBSP/pSSP) ------------------------------------------------
+
+    def sample_of(self, rank: int, clock: int) -> list[int]:
+        """The peers `rank` observes before the step after `clock`: drawn once per step.
+
+        From all the other participants (a lost one is then not observed), with a
+        generator seeded by (seed, rank, clock): every member draws the same.
+        """
+        rng = _StepRandom(self._sample_seed(rank, clock))
+        # Positions among the others (no list of them: P draws a step), then ranks.
+        at = bisect.bisect_left(self._ordered, rank)
+        drawn = draw_sample(rng, range(len(self._ordered) - 1), self.spec.sample)
+        return [self._ordered[i + (i >= at)] for i in drawn]
+
+    def _sample_seed(self, rank: int, clock: int) -> int:
+        return (self._seed * 1_000_003 + rank) * 1_000_000_007 + clock
+
+    def samplers(self, clock: int) -> dict[int, list[int]]:
+        """The peers whose sample before the step after `clock` holds this worker, and
+        those samples.
+
+        P draws a step: the price of knowing, without asking etcd, whom to wake.
+        When the sample is a strict part of the others, `draw_sample` draws it with
+        `_StepRandom.sample`, so the positions alone say whether it holds this
+        worker (about 1.5 µs a peer, against 4 for drawing the sample).
+        """
+        others, beta = len(self._ordered) - 1, self.spec.sample
+        me = bisect.bisect_left(self._ordered, self.rank)
+        found = {}
+        for index, rank in enumerate(self._ordered):
+            if rank == self.rank:
+                continue
+            if 0 < beta < others:
+                mine = me - (index < me)  # this worker's position among the peers of `rank`
+                if mine not in _positions(self._sample_seed(rank, clock), others, beta):
+                    continue
+            sample = self.sample_of(rank, clock)
+            if self.rank in sample:
+                found[rank] = sample
+        return found
+
     # -- lifecycle --------------------------------------------------------
 
     def start(self) -> None:
         """Publish the start clock, then the start barrier: everyone begins together."""
+        if self.spec.sampled:
+            # Before the first publish: no mail for this worker can precede it.
+            self._watches.append(
+                self.etcd.watch(
+                    self.mailbox(self.rank), lambda events: self._inbox.put(("mail", events)), 0,
+                    prefix=True, prev_kv=False,
+                )
+            )  # fmt: skip
         revision = self._publish(done=False)
         # Any loss from here on is seen: the member's own barrier covers the time before.
         self._watches.append(
@@ -229,7 +365,7 @@ class LiveBarrier:
             self._watches.append(
                 self.etcd.watch(
                     self.slowest_key(), lambda events: self._inbox.put(("slowest", events)),
-                    revision + 1,
+                    revision + 1, prev_kv=False,
                 )
             )  # fmt: skip
         if self._full_view:
@@ -241,21 +377,17 @@ class LiveBarrier:
             self._watches.append(
                 self.etcd.watch(
                     self.prefix, lambda events: self._inbox.put(("view", events)), revision + 1,
-                    prefix=True,
+                    prefix=True, prev_kv=False,
                 )
             )  # fmt: skip
 
     def complete(self) -> None:
-        """One more step done: publish the new clock (one put)."""
+        """One more step done: publish the new clock (one request; PSP reads its next sample)."""
         now = time.time()
         self._intervals.append(now - self._last_push)
         self._last_push = now
         self.clock += 1
-        if self.spec.sampled:
-            # The next check's sample, read in the request that publishes this clock.
-            self._publish(False, draw_sample(self._rng, sorted(self.live), self.spec.sample))
-        else:
-            self._publish(done=False)
+        self._publish(done=False, stepped=True)
 
     def finish(self) -> None:
         """Say this worker is done, so nobody waits for it, and stop watching."""
@@ -267,21 +399,79 @@ class LiveBarrier:
             watch.cancel()
         self._watches.clear()
 
-    def _publish(self, done: bool, sample: list[int] | None = None) -> int:
-        """Publish this worker's clock; with `sample`, read those clocks in the same request."""
+    def _publish(self, done: bool, stepped: bool = False) -> int:
         value = Clock(self.clock, self._last_push, self._mean_interval(), done).dump()
         lease = self.member.lease_id
         try:
             if self._by_slowest:
                 return self._move_up(value, done)
-            if not sample:
-                return self.etcd.put(self.clock_key(self.rank), value, lease)
-            reads = [Get(self.clock_key(rank)) for rank in sample]
-            result = self.etcd.transaction([Put(self.clock_key(self.rank), value, lease), *reads])
-            self._next_sample = _Sample(sample, result.reads, result.revision)
-            return result.revision
+            if self.spec.sampled:
+                return self._publish_sampled(value, done, stepped)
+            return self.etcd.put(self.clock_key(self.rank), value, lease)
         except LeaseNotFound as exc:
             raise SessionLost("this member's etcd lease is gone (etcd refused its clock)") from exc
+
+    def _publish_sampled(self, clock: str, done: bool, stepped: bool) -> int:
+        """pBSP/pSSP: publish, wake who waits for this clock, read the next sample: one request.
+
+        A worker at clock `c` waits until every peer of its sample is at `c - s`.
+        So a new clock `k` (`stepped`) may be the last one missing for the workers
+        that sampled this one before the step after `c = k + s`: for each, a nested
+        transaction puts a wake-up in its mailbox if it is at `c` (it published `c`
+        and read its sample in the same transaction, so it waits) and the rest of
+        its sample is at `k` already. Transactions are ordered, so of the peers a
+        worker waits for, exactly the last one to publish sees the others there and
+        wakes it; a peer that publishes before the worker gets to `c` is seen by
+        the worker's own read. A finished worker wakes every peer beyond `k + s`,
+        which may be waiting for it; the start clock wakes nobody (the start
+        barrier follows it).
+        """
+        lease = self.member.lease_id
+        me, at = self.clock_key(self.rank), self.at_key(self.rank)
+        bound = self.spec.bound or 0
+        now = _fixed(DONE if done else self.clock)
+        ops: list[TxnOp] = [Put(me, clock, lease), Put(at, now, lease), *self._mark_left()]
+        mail: list[When] = []
+        ready, finished = _fixed(self.clock - 1), _fixed(DONE)
+        if done:
+            # Anyone beyond k + s may be waiting for this worker: wake them all.
+            for rank in self._ordered:
+                if rank != self.rank:
+                    beyond = ValueIs(self.at_key(rank), ">", _fixed(self.clock + bound))
+                    waiting = ValueIs(self.at_key(rank), "<", finished)
+                    mail.append(When((beyond, waiting), (self._wake_up(rank, now),)))
+        elif stepped:
+            there = _fixed(self.clock + bound)
+            for rank, sample in self.samplers(self.clock + bound).items():
+                others = [ValueIs(self.at_key(r), ">", ready) for r in sample if r != self.rank]
+                waits = ValueIs(self.at_key(rank), "=", there)
+                mail.append(When((waits, *others), (self._wake_up(rank, now),)))
+        sample = self.sample_of(self.rank, self.clock) if stepped else []
+        reads = [Get(self.at_key(r)) for r in sample]
+        # Wake-ups may follow the clock in later transactions (etcd caps a transaction's
+        # size): a peer that reads in between already sees the clock.
+        room = max(1, MAX_TXN_OPS - max((len(m.conditions) for m in mail), default=0))
+        first = max(0, room - len(ops) - len(reads))
+        result = self.etcd.transaction([*ops, *mail[:first], *reads])
+        for start in range(first, len(mail), room):
+            self.etcd.transaction(mail[start : start + room])
+        if stepped:
+            self._next_sample = _Sample(sample, result.reads)
+        return result.revision
+
+    def _wake_up(self, rank: int, clock: str) -> Put:
+        return Put(f"{self.mailbox(rank)}{self.rank:06d}", clock, self.member.lease_id)
+
+    def _mark_left(self) -> list[TxnOp]:
+        """Puts that mark the peers lost since the last ones (`OnLoss.CONTINUE`) finished.
+
+        A lost worker's `at` key vanishes with its lease, and a missing key fails
+        every wake-up condition that names it: marked `DONE` it satisfies them, as
+        a finished worker does. Not leased: the mark must outlive whoever put it.
+        """
+        marks: list[TxnOp] = [Put(self.at_key(r), _fixed(DONE)) for r in sorted(self._left)]
+        self._left.clear()
+        return marks
 
     def _move_up(self, clock: str, done: bool) -> int:
         """Move this worker's order key up to its new clock, in one transaction.
@@ -399,85 +589,55 @@ class LiveBarrier:
             self._handle(self._next(deadline, lambda: sorted(self._unfinished())))
 
     def _wait_sampled(self, started: float) -> Passage:
+        """pBSP/pSSP: the sample was read with the last publish; wait for a wake-up, if at all.
+
+        A peer vouched for by a wake-up is known to be at `clock - s` at least; it
+        is passed on as that.
+        """
         deadline = started + self.timeout
         drawn, self._next_sample = self._next_sample, None
-        if drawn is None:  # the first step: nothing was read with a publish yet
-            sample = draw_sample(self._rng, sorted(self.live), self.spec.sample)
-            reads = [Get(self.clock_key(rank)) for rank in sample]
-            result = self.etcd.transaction(reads) if reads else None
-            drawn = _Sample(sample, result.reads if result else [], result.revision if result else 0)
+        if drawn is None:  # the first check after start: nothing was read with a publish
+            ranks = self.sample_of(self.rank, self.clock)
+            reads = [Get(self.at_key(r)) for r in ranks]
+            drawn = _Sample(ranks, self.etcd.transaction(reads).reads if reads else [])
         self.counters.reads += len(drawn.ranks)
-        seen: dict[int, Clock] = {}
+        seen: dict[int, int] = {}  # rank -> clock, DONE once finished
 
-        def learn(rank: int, kv: KeyValue | None) -> None:
-            if kv is None:
-                self._peer_lost(rank, "its clock key is gone (its lease ended)")
-            else:
-                newer = Clock.parse(kv.value)
-                old = seen.get(rank)
-                # An event can be older than a re-read: a clock never goes back.
-                if old is None or (newer.clock, newer.done) >= (old.clock, old.done):
-                    seen[rank] = newer
+        def learn(answers: list[KeyValue | None]) -> None:
+            for rank, kv in zip(drawn.ranks, answers, strict=True):
+                if rank not in self.live:
+                    continue  # lost (with on_loss=continue): not observed
+                if kv is None:
+                    self._peer_lost(rank, "its clock key is gone (its lease ended)")
+                else:
+                    seen[rank] = max(seen.get(rank, -1), _clock_at(kv.value))
 
-        for rank, kv in zip(drawn.ranks, drawn.answers, strict=True):
-            if rank in self.live:  # a loss seen since the read already took it out
-                learn(rank, kv)
+        def passed() -> bool:
+            vouched = self.clock - (self.spec.bound or 0) if self._vouched == self.clock else -1
+            for rank in seen:
+                seen[rank] = max(seen[rank], self._mail.get(rank, -1), vouched)
+            return may_start(self.clock, observed().values(), self.spec.bound)
 
         def observed() -> dict[int, int]:
-            return {r: c.clock for r, c in seen.items() if r in self.live and not c.done}
+            return {r: c for r, c in seen.items() if r in self.live and c != DONE}
 
-        def passage() -> Passage:
-            seen_now = observed()
-            slowest = min(seen_now.values(), default=None)
-            return Passage(self.clock, slowest, seen_now, time.monotonic() - started)
-
-        if may_start(self.clock, observed().values(), self.spec.bound):
-            return passage()
-        self.counters.waits += 1
-        self._token += 1
-        token = self._token
-        watches = []
-        try:
-            # Clocks only grow: only the peers behind the bound can hold this worker up.
-            # Their watches start "now" (a start revision in the past puts a watch in
-            # etcd's unsynced group, whose events come up to 100 ms late) and are
-            # created together; a key whose watch etcd registered after the read's
-            # revision may have changed in between, so it is read again.
-            behind = [r for r in observed() if seen[r].clock < self.clock - self.spec.bound]
-            for rank in behind:
-                watches.append(
-                    self.etcd.watch(
-                        self.clock_key(rank),
-                        lambda events: self._inbox.put(("sample", token, events)),
-                        0,
-                        wait=False,
-                    )
-                )
-            self.counters.watches += len(watches)
-            late = [r for r, w in zip(behind, watches, strict=True) if w.created() > drawn.revision]
-            if late:
-                self.counters.rereads += len(late)
-                again = self.etcd.transaction([Get(self.clock_key(r)) for r in late]).reads
-                for rank, kv in zip(late, again, strict=True):
-                    learn(rank, kv)
-                if may_start(self.clock, observed().values(), self.spec.bound):
-                    return passage()
-            while True:
-                item = self._next(deadline, lambda: sorted(observed()))
-                if item[0] == "sample" and item[1] == token:
-                    for event in item[2]:
-                        rank = rank_of(event.key)
-                        if event.kind == "put":
-                            learn(rank, KeyValue(event.key, event.value, 0, event.revision, 0))
-                        else:
-                            self._peer_lost(rank, "its lease ended (the process died)")
-                else:
-                    self._handle(item)
-                if may_start(self.clock, observed().values(), self.spec.bound):
-                    return passage()
-        finally:
-            for watch in watches:
-                watch.cancel()
+        learn(drawn.answers)
+        if not passed():
+            self.counters.waits += 1
+            while not passed():
+                if self._stale:
+                    # A peer finished or was lost, so the wake-up may never come: read again
+                    # (and mark the lost ones finished, for everyone's conditions).
+                    self._stale = False
+                    again = [Get(self.at_key(r)) for r in drawn.ranks]
+                    self.counters.reads += len(again)
+                    learn(self.etcd.transaction([*self._mark_left(), *again]).reads)
+                    continue
+                self._handle(self._next(deadline, lambda: sorted(observed())))
+        self._stale = False
+        seen_now = observed()
+        slowest = min(seen_now.values(), default=None)
+        return Passage(self.clock, slowest, seen_now, time.monotonic() - started)
 
     # -- events -----------------------------------------------------------
 
@@ -512,6 +672,15 @@ class LiveBarrier:
                 self._refresh_slowest()  # a lost slowest worker raises the minimum unannounced
         elif kind == "slowest":
             self._slowest = max([self._slowest, *(int(e.value) for e in item[1] if e.value)])
+        elif kind == "mail":
+            for event in item[1]:
+                if event.kind == "put":  # a delete: the sender left (the members watch says)
+                    rank, clock = rank_of(event.key), int(event.value)
+                    self._mail[rank] = max(clock, self._mail.get(rank, -1))
+                    if clock == DONE:
+                        self._stale = True  # it wakes all who may wait for it, vouching for none
+                    else:
+                        self._vouched = max(self._vouched, clock + (self.spec.bound or 0))
         elif kind == "view":
             for event in item[1]:
                 rank = rank_of(event.key)
@@ -530,3 +699,16 @@ class LiveBarrier:
         self.live.discard(rank)
         self._view.pop(rank, None)
         self.counters.lost.append(rank)
+        if self.spec.sampled:
+            self._left.add(rank)
+            self._stale = True
+
+
+def _fixed(clock: int) -> str:
+    """A clock as a fixed-width string: etcd compares values as bytes."""
+    return f"{clock:0{LEVEL_DIGITS}d}"
+
+
+def _clock_at(value: bytes) -> int:
+    """A worker's clock from its `at` value: DONE once it finished (or was lost)."""
+    return int(value)

@@ -1,17 +1,14 @@
 """The one thin layer between the product and etcd.
 
-It uses the generated gRPC stubs of `etcd-sdk-python` (`pyetcd`) but does its
-own error handling and its own watch stream, because the library: marks an
+It uses the generated gRPC stubs and the watch stream of `etcd-sdk-python`
+(`pyetcd`) but does its own error handling, because the library's: marks an
 endpoint dead for minutes after one failure, builds create-revision range
-filters wrongly, loses watch events on disconnect, and creates watches one at a
-time, each waiting for etcd's answer. Here:
+filters wrongly, and loses watch events on disconnect. Here:
 
 - every call retries transient failures (etcd restarting, a lost connection)
   until `retry_window` has passed, rotating through the endpoints, then raises
   `EtcdUnavailable` naming the endpoints and the cause;
-- all of a client's watches share one stream; creating several costs one round
-  trip, cancelling costs none, and after a disconnect they resume from the
-  last revision they delivered;
+- watches resume from the last revision they delivered after a disconnect;
 - all keys live under a namespace prefix, so deployments can share an etcd.
 """
 
@@ -19,16 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 import grpc
 from pyetcd import etcdrpc
+from pyetcd.watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -106,25 +102,35 @@ def prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
+# Each operation fills a `RequestOp` in place (`into`): building a transaction's
+# messages in place instead of copying them in costs half as much.
+
+
 @dataclass(frozen=True)
 class Put:
     key: str
     value: bytes | str
     lease: int = 0
 
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        put = op.request_put
+        put.SetInParent()  # a put of empty values is still a put
+        put.key, put.value, put.lease = self.key.encode(), _bytes(self.value), self.lease
+
     def request(self) -> etcdrpc.RequestOp:
-        put = etcdrpc.PutRequest(key=self.key.encode(), value=_bytes(self.value), lease=self.lease)
-        return etcdrpc.RequestOp(request_put=put)
+        return _request(self)
 
 
 @dataclass(frozen=True)
 class Delete:
     key: str
 
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        op.request_delete_range.SetInParent()
+        op.request_delete_range.key = self.key.encode()
+
     def request(self) -> etcdrpc.RequestOp:
-        return etcdrpc.RequestOp(
-            request_delete_range=etcdrpc.DeleteRangeRequest(key=self.key.encode())
-        )
+        return _request(self)
 
 
 @dataclass(frozen=True)
@@ -134,20 +140,87 @@ class First:
     start: str
     end: bytes
 
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        first = op.request_range
+        first.SetInParent()
+        first.key, first.range_end, first.limit = self.start.encode(), self.end, 1
+
     def request(self) -> etcdrpc.RequestOp:
-        first = etcdrpc.RangeRequest(key=self.start.encode(), range_end=self.end, limit=1)
-        return etcdrpc.RequestOp(request_range=first)
+        return _request(self)
 
 
 @dataclass(frozen=True)
 class Get:
     key: str
 
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        op.request_range.SetInParent()
+        op.request_range.key = self.key.encode()
+
     def request(self) -> etcdrpc.RequestOp:
-        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=self.key.encode()))
+        return _request(self)
 
 
-TxnOp = Put | Delete | First | Get
+_RELATIONS = {
+    "<": etcdrpc.Compare.LESS,
+    "=": etcdrpc.Compare.EQUAL,
+    ">": etcdrpc.Compare.GREATER,
+}
+
+
+@dataclass(frozen=True)
+class ValueIs:
+    """A condition: `key` exists and its value is `<`, `=` or `>` `than` (as bytes)."""
+
+    key: str
+    relation: Literal["<", "=", ">"]
+    than: bytes | str
+
+    def compare(self) -> etcdrpc.Compare:
+        return etcdrpc.Compare(
+            key=self.key.encode(),
+            result=_RELATIONS[self.relation],
+            target=etcdrpc.Compare.VALUE,
+            value=_bytes(self.than),
+        )
+
+
+@dataclass(frozen=True)
+class When:
+    """A nested transaction: `ops` run only if every condition holds.
+
+    Values compare as bytes, so fixed-width numbers compare as numbers; a
+    missing key fails its condition. Conditions are checked against the store
+    as it was before the enclosing transaction, atomically with it.
+    """
+
+    conditions: tuple[ValueIs, ...]
+    ops: tuple[Put | Delete, ...]
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        nested = op.request_txn
+        nested.SetInParent()
+        for c in self.conditions:
+            nested.compare.add(
+                key=c.key.encode(),
+                result=_RELATIONS[c.relation],
+                target=etcdrpc.Compare.VALUE,
+                value=_bytes(c.than),
+            )
+        for inner in self.ops:
+            inner.into(nested.success.add())
+
+    def request(self) -> etcdrpc.RequestOp:
+        return _request(self)
+
+
+TxnOp = Put | Delete | First | Get | When
+
+
+def _request(operation: TxnOp) -> etcdrpc.RequestOp:
+    op = etcdrpc.RequestOp()
+    operation.into(op)
+    return op
 
 
 @dataclass(frozen=True)
@@ -164,14 +237,9 @@ def _kv(kv: etcdrpc.KeyValue) -> KeyValue:
 class Watch:
     """A watch that survives disconnects by re-watching from its last revision + 1.
 
-    `callback` gets lists of `WatchEvent`s, in revision order, from the client's
-    watch thread; it must be quick, must not block, and must not create a watch
-    that waits. `start_revision` 0 means "from now": every change after the
-    revision `created()` returns reaches the callback.
-
-    With `wait=False` the constructor returns as soon as the create request is
-    queued, so several watches cost one round trip: call `created()` on each
-    when their registration matters.
+    `callback` gets lists of `WatchEvent`s, in revision order, from a library
+    thread; it must be quick and must not block. With `prev_kv=False` their
+    `prev_value` is empty (etcd then need not look it up).
     """
 
     def __init__(
@@ -182,213 +250,79 @@ class Watch:
         start_revision: int,
         prefix: bool = False,
         only_deletes: bool = False,
-        wait: bool = True,
+        prev_kv: bool = True,
     ) -> None:
         self._etcd = etcd
-        self.key = key
-        self._range_end = prefix_end(key) if prefix else b""
+        self._prev_kv = prev_kv
+        self._key = key
+        self._range_end = prefix_end(key) if prefix else None
         self._callback = callback
-        self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else []
-        self._next_revision = start_revision  # the stream's lock guards this and below
-        self._id: int | None = None
+        self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else None
+        self._next_revision = start_revision
+        self._lock = threading.Lock()
         self._closed = False
-        self._revision = 0  # the revision etcd first registered it at
-        self._error: EtcdError | None = None
-        self._registered = threading.Event()
-        self._stream = etcd._watch_stream()
-        self._stream.add(self)
-        if wait:
-            self.created()
+        self._watch_id: int | None = None
+        self._register()
 
-    def created(self, timeout: float | None = None) -> int:
-        """Block until etcd has registered the watch; returns the revision it did so at."""
-        if timeout is None:
-            timeout = self._etcd.retry_window + self._etcd.timeout
-        if not self._registered.wait(timeout):
-            self.cancel()
-            raise EtcdUnavailable(
-                f"etcd at {','.join(self._etcd.endpoints)}: no answer to a watch on "
-                f"{self.key} within {timeout:g}s",
-                "watch creation timed out",
+    def _register(self) -> None:
+        def on_response(response: object) -> None:
+            if response is None or isinstance(response, Exception):
+                self._on_broken(response)
+                return
+            events = []
+            for event in response.events:  # type: ignore[attr-defined]
+                kv, prev = event._event.kv, event._event.prev_kv
+                kind: Literal["put", "delete"] = "delete" if event._event.type else "put"
+                events.append(
+                    WatchEvent(kind, kv.key.decode(), kv.value, prev.value, kv.mod_revision)
+                )
+            if not events:
+                return
+            with self._lock:
+                if self._closed:
+                    return
+                self._next_revision = events[-1].revision + 1
+            self._callback(events)
+
+        self._watch_id = self._etcd._call(
+            lambda: self._etcd._watcher().add_callback(
+                self._key,
+                on_response,
+                range_end=self._range_end,
+                start_revision=self._next_revision,
+                filters=self._filters,
+                prev_kv=self._prev_kv,
             )
-        if self._error is not None:
-            raise self._error
-        return self._revision
-
-    def _create_request(self) -> etcdrpc.WatchRequest:
-        create = etcdrpc.WatchCreateRequest(
-            key=self.key.encode(),
-            range_end=self._range_end,
-            start_revision=self._next_revision,
-            filters=self._filters,
-            prev_kv=True,
         )
-        return etcdrpc.WatchRequest(create_request=create)
+
+    def _on_broken(self, error: Exception | None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        log.debug(
+            "watch on %s broke (%s); resuming at revision %d", self._key, error, self._next_revision
+        )
+        threading.Thread(target=self._resume, daemon=True, name="etcd-watch-resume").start()
+
+    def _resume(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                self._register()
+                return
+            except EtcdError as exc:
+                log.debug("watch resume on %s failed: %s", self._key, exc)
 
     def cancel(self) -> None:
-        """Stop delivering events; returns at once (etcd is told without waiting)."""
-        self._stream.cancel(self)
-
-
-class _WatchStream:
-    """One bidirectional `Watch` stream per client, carrying all its watches.
-
-    Create requests are pipelined: etcd answers them in order, so the n-th
-    `created` answer belongs to the n-th request sent, and nobody waits for one
-    before sending the next. Cancels are sent without waiting for the answer;
-    events of a cancelled watch that are still in flight are dropped here.
-    When the stream breaks, one thread reopens it (rotating endpoints, backing
-    off) and re-creates every live watch from its last revision + 1.
-    """
-
-    def __init__(self, etcd: Etcd) -> None:
-        self._etcd = etcd
-        self._lock = threading.Lock()
-        self._watches: dict[Watch, None] = {}  # live watches, in creation order
-        self._pending: deque[Watch] = deque()  # creates sent on this stream, not yet answered
-        self._active: dict[int, Watch] = {}  # etcd's watch id -> watch
-        self._requests: queue.SimpleQueue[etcdrpc.WatchRequest | None] | None = None
-        self._call: grpc.Future | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="etcd-watch")
-        self._thread.start()
-
-    def add(self, watch: Watch) -> None:
         with self._lock:
-            if self._stop.is_set():
-                raise EtcdError("etcd client is closed")
-            self._watches[watch] = None
-            if self._requests is not None:
-                self._send_create(watch)
-
-    def cancel(self, watch: Watch) -> None:
-        with self._lock:
-            watch._closed = True
-            self._watches.pop(watch, None)
-            if watch._id is not None and self._active.get(watch._id) is watch:
-                del self._active[watch._id]
-                self._send_cancel(watch._id)
-            # A create still unanswered is cancelled when its answer comes.
-
-    def close(self) -> None:
-        with self._lock:
-            self._stop.set()
-            if self._requests is not None:
-                self._requests.put(None)
-            if self._call is not None:
-                self._call.cancel()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    # -- the stream thread (callers hold the lock) --------------------------
-
-    def _send_create(self, watch: Watch) -> None:
-        assert self._requests is not None
-        self._pending.append(watch)
-        self._etcd.operations += 1
-        self._requests.put(watch._create_request())
-
-    def _send_cancel(self, watch_id: int) -> None:
-        if self._requests is not None:
-            self._etcd.operations += 1
-            cancel = etcdrpc.WatchCancelRequest(watch_id=watch_id)
-            self._requests.put(etcdrpc.WatchRequest(cancel_request=cancel))
-
-    def _run(self) -> None:
-        delay = 0.05
-        while not self._stop.is_set():
-            try:
-                channel, stub = self._etcd._watch_stub()
-            except EtcdError:
-                return  # the client is closed
-            requests: queue.SimpleQueue[etcdrpc.WatchRequest | None] = queue.SimpleQueue()
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                call = stub.Watch(iter(requests.get, None))
-                self._requests, self._call = requests, call
-                self._pending.clear()
-                self._active.clear()
-                for watch in self._watches:
-                    self._send_create(watch)
-            cause: object = "the stream ended"
-            try:
-                for response in call:
-                    delay = 0.05
-                    self._on_response(response)
-            except grpc.RpcError as exc:
-                cause = exc.details() or exc.code()  # type: ignore[attr-defined]
-            with self._lock:
-                requests.put(None)  # ends gRPC's request thread
-                self._requests, self._call = None, None
-            if self._stop.is_set():
-                return
-            log.debug("etcd watch stream broke (%s); reopening in %.2fs", cause, delay)
-            if self._stop.wait(delay):
-                return
-            delay = min(delay * 2, 1.0)
-            self._etcd._rotate(channel)
-
-    def _on_response(self, response: etcdrpc.WatchResponse) -> None:
-        with self._lock:
-            if response.created:
-                self._on_created(response)
-                return
-            watch = self._active.get(response.watch_id)
-            if watch is None:
-                return  # a cancelled watch's leftovers, or the answer to a cancel
-            if response.compact_revision or response.canceled:
-                # etcd dropped it (it fell behind a compaction): start again where it can.
-                del self._active[response.watch_id]
-                if response.compact_revision:
-                    log.warning(
-                        "watch on %s lost events before revision %d (compacted)",
-                        watch.key,
-                        response.compact_revision,
-                    )
-                    watch._next_revision = response.compact_revision
-                self._send_create(watch)
-                return
-            events = [
-                WatchEvent(
-                    "delete" if event.type else "put",
-                    event.kv.key.decode(),
-                    event.kv.value,
-                    event.prev_kv.value,
-                    event.kv.mod_revision,
-                )
-                for event in response.events
-            ]
-            if not events:
-                return  # a progress notification
-            watch._next_revision = events[-1].revision + 1
-        watch._callback(events)
-
-    def _on_created(self, response: etcdrpc.WatchResponse) -> None:
-        if not self._pending:
-            log.warning("etcd answered a watch creation nobody asked for")
-            return
-        watch = self._pending.popleft()
-        first = not watch._registered.is_set()
-        if response.canceled or response.compact_revision:
-            self._watches.pop(watch, None)
-            watch._closed = True
-            reason = response.cancel_reason or f"revision compacted at {response.compact_revision}"
-            watch._error = EtcdError(f"etcd refused a watch on {watch.key}: {reason}")
-            if not first:
-                log.error("watch on %s could not resume: %s", watch.key, reason)
-            watch._registered.set()
-            return
-        watch._id = response.watch_id
-        if watch._next_revision == 0:
-            watch._next_revision = response.header.revision + 1
-        if first:
-            watch._revision = response.header.revision
-            watch._registered.set()
-        if watch._closed:
-            self._send_cancel(response.watch_id)
-        else:
-            self._active[response.watch_id] = watch
+            self._closed = True
+            watch_id = self._watch_id
+        if watch_id is not None:
+            # The stream may already be gone, with nothing left to cancel.
+            with contextlib.suppress(Exception):
+                self._etcd._watcher().cancel(watch_id)
 
 
 class Etcd:
@@ -409,8 +343,7 @@ class Etcd:
         self._lock = threading.Lock()
         self._index = 0
         self._channel: grpc.Channel | None = None
-        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, etcdrpc.WatchStub] | None = None
-        self._watches: _WatchStream | None = None
+        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher] | None = None
         self._closed = False
         self.operations = 0  # requests sent, for benchmarks
         self._connect(connect_timeout)
@@ -432,7 +365,7 @@ class Etcd:
                 f"{connect_timeout:g}s: {exc.reason}"
             ) from exc.__cause__
 
-    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, etcdrpc.WatchStub]:
+    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher]:
         with self._lock:
             if self._closed:
                 raise EtcdError("etcd client is closed")
@@ -445,7 +378,7 @@ class Etcd:
                 self._stubs = (
                     etcdrpc.KVStub(self._channel),
                     etcdrpc.LeaseStub(self._channel),
-                    etcdrpc.WatchStub(self._channel),
+                    Watcher(etcdrpc.WatchStub(self._channel), timeout=self.timeout),
                 )
             return self._stubs
 
@@ -455,35 +388,21 @@ class Etcd:
     def _lease(self) -> etcdrpc.LeaseStub:
         return self._current()[1]
 
-    def _watch_stub(self) -> tuple[grpc.Channel | None, etcdrpc.WatchStub]:
-        stub = self._current()[2]
-        with self._lock:
-            return self._channel, stub
+    def _watcher(self) -> Watcher:
+        return self._current()[2]
 
-    def _watch_stream(self) -> _WatchStream:
-        with self._lock:
-            if self._closed:
-                raise EtcdError("etcd client is closed")
-            if self._watches is None:
-                self._watches = _WatchStream(self)
-            return self._watches
-
-    def _rotate(self, failed: grpc.Channel | None = None) -> None:
-        """Move to the next endpoint; with one endpoint gRPC reconnects by itself.
-
-        With `failed`, only if that channel is still the current one (the watch
-        stream's failure must not undo a rotation a request already made).
-        """
+    def _rotate(self) -> None:
+        """Move to the next endpoint; with one endpoint gRPC reconnects by itself."""
         if len(self.endpoints) == 1:
             return
         with self._lock:
-            if failed is not None and failed is not self._channel:
-                return
             self._index = (self._index + 1) % len(self.endpoints)
-            old_channel = self._channel
+            old_channel, old_stubs = self._channel, self._stubs
             self._channel, self._stubs = None, None
+        if old_stubs is not None:
+            old_stubs[2].close()
         if old_channel is not None:
-            old_channel.close()  # the watch stream breaks, and reopens on the next endpoint
+            old_channel.close()
 
     def _call(self, request: Callable[[], T], window: float | None = None) -> T:
         """Send one request, retrying transient failures for `window` seconds."""
@@ -499,10 +418,16 @@ class Etcd:
                     raise LeaseNotFound(details) from exc
                 if code not in _TRANSIENT:
                     raise EtcdError(f"etcd refused the request: {code.name}: {details}") from exc
-                if time.monotonic() + delay > deadline:
-                    raise EtcdUnavailable(
-                        f"etcd at {','.join(self.endpoints)}: {details}", details
-                    ) from exc
+                cause: Exception = exc
+            except Exception as exc:  # the watch stream reports its failures as plain errors
+                if type(exc).__name__ not in ("WatchTimedOut", "ConnectionFailedError"):
+                    raise
+                cause = exc
+            if time.monotonic() + delay > deadline:
+                text = cause.details() if isinstance(cause, grpc.RpcError) else str(cause)  # type: ignore[attr-defined]
+                raise EtcdUnavailable(
+                    f"etcd at {','.join(self.endpoints)}: {text}", text
+                ) from cause
             self._rotate()
             time.sleep(delay)  # back-off between retries of a failed request
             delay = min(delay * 2, 1.0)
@@ -510,10 +435,10 @@ class Etcd:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channel, watches = self._channel, self._watches
-            self._channel, self._stubs, self._watches = None, None, None
-        if watches is not None:
-            watches.close()
+            channel, stubs = self._channel, self._stubs
+            self._channel, self._stubs = None, None
+        if stubs is not None:
+            stubs[2].close()
         if channel is not None:
             channel.close()
 
@@ -643,7 +568,8 @@ class Etcd:
 
         Ranges are `(start, end)` with `end` exclusive (bytes). A `First` op reads
         the lowest key of its range, a `Get` one key; the result lists one answer
-        per read, in order, for the branch that ran. One request, atomic.
+        per read, in order, for the branch that ran (a `When` reads nothing).
+        One request, atomic.
         """
         compare = [
             etcdrpc.Compare(
@@ -655,11 +581,11 @@ class Etcd:
             )
             for start, end in when_empty
         ]
-        request = etcdrpc.TxnRequest(
-            compare=compare,
-            success=[op.request() for op in ops],
-            failure=[op.request() for op in otherwise],
-        )
+        request = etcdrpc.TxnRequest(compare=compare)
+        for op in ops:
+            op.into(request.success.add())
+        for op in otherwise:
+            op.into(request.failure.add())
         response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
         reads = [
             _kv(r.response_range.kvs[0]) if r.response_range.kvs else None
@@ -712,16 +638,11 @@ class Etcd:
         start_revision: int,
         prefix: bool = False,
         only_deletes: bool = False,
-        wait: bool = True,
+        prev_kv: bool = True,
     ) -> Watch:
-        """Deliver changes of `key` (or every key under it) from `start_revision` on.
-
-        `start_revision` 0 is "from now" (see `Watch.created`); with `wait=False`
-        it returns before etcd has answered (see `Watch`).
-        """
-        return Watch(
-            self, key, callback, start_revision, prefix=prefix, only_deletes=only_deletes, wait=wait
-        )
+        """Deliver changes of `key` (or every key under it) from `start_revision` on."""
+        options = {"prefix": prefix, "only_deletes": only_deletes, "prev_kv": prev_kv}
+        return Watch(self, key, callback, start_revision, **options)
 
 
 def _bytes(value: bytes | str) -> bytes:
