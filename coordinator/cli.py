@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -133,7 +135,12 @@ def worker(
             params=params,
         )
     )
-    raise typer.Exit(code)
+    # Everything the member owns is closed by now. Leave without the interpreter's
+    # teardown: native threads (gRPC's, PyTorch's) still winding down can make it abort
+    # ("terminate called without an active exception"), which would hide the exit code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @contextlib.contextmanager
