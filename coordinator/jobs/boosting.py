@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from xgboost.tracker import RabitTracker
 
 from coordinator.datasets import DataSource, Layout, Shard, check_shards, load_shard, parse_source
 from coordinator.events import emit
-from coordinator.jobs.params import check_known, float_param, int_param
+from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.rendezvous.errors import MemberLost
 
 if TYPE_CHECKING:
@@ -139,7 +138,7 @@ def parse(params: dict[str, str]) -> BoostingOptions:
         rounds=rounds,
         early_stopping_rounds=early,
         nthread=_positive(params, "nthread", 1),
-        artifacts=_artifacts_dir(params),
+        artifacts=artifacts_dir(JOB, params),
         model_format=model_format,
         collective_timeout=int(float_param(JOB, params, "collective_timeout", 300.0)) or 1,
         booster=booster,
@@ -162,19 +161,6 @@ def _let_xgboost_check(booster: dict[str, str]) -> None:
     except xgboost.core.XGBoostError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise ValueError(f"{JOB} job: XGBoost refuses the parameters: {first_line}") from None
-
-
-def _artifacts_dir(params: dict[str, str]) -> Path:
-    path = Path(
-        params.get("artifacts") or os.environ.get("COORDINATOR_ARTIFACTS") or "artifacts"
-    ).absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{JOB} job: parameter artifacts: cannot create {path}: {exc}") from None
-    if not os.access(path, os.W_OK):
-        raise ValueError(f"{JOB} job: parameter artifacts: {path} is not writable")
-    return path
 
 
 class XGBoostJob:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from coordinator.datasets.mnist import (
 )
 from coordinator.datasets.shards import plan
 from coordinator.events import emit
-from coordinator.jobs.params import check_known, float_param, int_param
+from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.jobs.steps import BARRIER_PARAMS, parse_barrier, parse_stop, parse_straggler
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, MnistNet, server_tensors
@@ -189,7 +188,7 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
         resume=_bool(params, "resume"),
         seed=_non_negative(params, "seed", 0),
         threads=_positive(params, "threads", 1),
-        artifacts=_artifacts_dir(params),
+        artifacts=artifacts_dir(JOB, params),
     )
 
 
@@ -222,19 +221,6 @@ def _bool(params: dict[str, str], name: str) -> bool:
     if value not in ("true", "false", "1", "0", "yes", "no"):
         raise ValueError(f"{JOB} job: parameter {name}={params[name]!r} is not true or false")
     return value in ("true", "1", "yes")
-
-
-def _artifacts_dir(params: dict[str, str]) -> Path:
-    path = Path(
-        params.get("artifacts") or os.environ.get("COORDINATOR_ARTIFACTS") or "artifacts"
-    ).absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{JOB} job: parameter artifacts: cannot create {path}: {exc}") from None
-    if not os.access(path, os.W_OK):
-        raise ValueError(f"{JOB} job: parameter artifacts: {path} is not writable")
-    return path
 
 
 def steps_per_epoch(rows: int, batch_size: int) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from pathlib import Path
 
 
 def parse_params(items: list[str]) -> dict[str, str]:
@@ -52,3 +54,18 @@ def float_param(job: str, params: dict[str, str], name: str, default: float) -> 
     if not value >= 0:
         raise ValueError(f"{job} job: parameter {name} must be >= 0, got {params[name]!r}")
     return value
+
+
+def artifacts_dir(job: str, params: dict[str, str]) -> Path:
+    """Where a job saves its model: `artifacts`, else $COORDINATOR_ARTIFACTS, else
+    ./artifacts; created and checked writable before the member joins."""
+    path = Path(
+        params.get("artifacts") or os.environ.get("COORDINATOR_ARTIFACTS") or "artifacts"
+    ).absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{job} job: parameter artifacts: cannot create {path}: {exc}") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"{job} job: parameter artifacts: {path} is not writable")
+    return path
