@@ -139,16 +139,10 @@ def test_compose_cluster_rendezvous(
         assert etcd.count_prefix(etcd.key("jobs", job) + "/") == 0
 
 
-def test_compose_cluster_trains_xgboost_and_saves_the_model_in_the_artifacts_volume(
-    podman_service: PodmanService, images: Images, project: str
-) -> None:
-    """The documented XGBoost run: 3 worker containers, the tracker on the leader's
-    container address, one model file in the `artifacts` volume."""
-    job = "compose-xgb"
-    params = "rounds=5,data=synthetic:20000x8:1,eval_data=synthetic:5000x8:2"
-    env = compose_env(
-        images, job, WORKERS="3", COORDINATOR_KIND="xgboost", COORDINATOR_PARAMS=params
-    )
+def train_three(
+    podman_service: PodmanService, project: str, env: dict[str, str]
+) -> dict[int, dict[str, Any]]:
+    """Bring up 3 workers, wait until they all exit 0; their results by rank."""
     result = compose(project, "up", "-d", env=env)
     assert result.returncode == 0, result.stderr
     workers = service_containers(podman_service, project, "worker")
@@ -160,6 +154,20 @@ def test_compose_cluster_trains_xgboost_and_saves_the_model_in_the_artifacts_vol
         done = next(e for e in events(worker) if e["event"] == "done")
         results[done["rank"]] = done["result"]
     assert sorted(results) == [0, 1, 2]
+    return results
+
+
+def test_compose_cluster_trains_xgboost_and_saves_the_model_in_the_artifacts_volume(
+    podman_service: PodmanService, images: Images, project: str
+) -> None:
+    """The documented XGBoost run: 3 worker containers, the tracker on the leader's
+    container address, one model file in the `artifacts` volume."""
+    job = "compose-xgb"
+    params = "rounds=5,data=synthetic:20000x8:1,eval_data=synthetic:5000x8:2"
+    env = compose_env(
+        images, job, WORKERS="3", COORDINATOR_KIND="xgboost", COORDINATOR_PARAMS=params
+    )
+    results = train_three(podman_service, project, env)
     assert len({r["model_sha256"] for r in results.values()}) == 1
     assert results[0]["model_path"] == f"/artifacts/{job}/model.json"
     volume = podman_service.client.volumes.get(f"{project}_artifacts")
@@ -180,17 +188,7 @@ def test_compose_cluster_trains_mnist_with_a_parameter_server_and_saves_the_mode
     env = compose_env(
         images, job, WORKERS="3", COORDINATOR_KIND="mnist", COORDINATOR_PARAMS="epochs=2"
     )
-    result = compose(project, "up", "-d", env=env)
-    assert result.returncode == 0, result.stderr
-    workers = service_containers(podman_service, project, "worker")
-    assert len(workers) == 3
-    wait_until(lambda: exited(workers), 240, "the three workers to train and finish")
-    results = {}
-    for worker in workers:
-        assert worker.attrs["State"]["ExitCode"] == 0, worker.logs().decode()[-2000:]
-        done = next(e for e in events(worker) if e["event"] == "done")
-        results[done["rank"]] = done["result"]
-    assert sorted(results) == [0, 1, 2]
+    results = train_three(podman_service, project, env)
     assert results[0]["model_path"] == f"/artifacts/{job}/model.pt"
     assert [results[rank]["role"] for rank in (1, 2)] == ["trainer", "trainer"]
     folder = Path(podman_service.client.volumes.get(f"{project}_artifacts").attrs["Mountpoint"])
