@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -65,6 +68,67 @@ class WorkerOptions:
     params: dict[str, str] = field(default_factory=dict)
 
 
+#: Seconds a job gets, once the member knows the job cannot go on, to fail by itself
+#: (with its own, better message) before the watchdog ends the process for it.
+TROUBLE_GRACE_SECONDS = 5.0
+
+
+class Watchdog:
+    """Ends the process when the job cannot go on but its code does not return.
+
+    A job may be inside native code that never looks at etcd (an XGBoost
+    collective waiting on a dead peer, a tracker shutting down): the member
+    then knows the job is lost, yet nothing would raise. After a grace the
+    watchdog reports the failure as the main thread would have, and exits.
+    """
+
+    def __init__(self, member: Member, grace: float = TROUBLE_GRACE_SECONDS) -> None:
+        self.member, self.grace = member, grace
+        self._lock = threading.Lock()
+        self._disarmed = False
+        self._code: int | None = None  # the outcome the main thread already reported
+        self._timer: threading.Timer | None = None
+
+    def arm(self, error: RendezvousError) -> None:
+        with self._lock:
+            if self._disarmed or self._timer is not None:
+                return
+            self._timer = threading.Timer(self.grace, self._fire, args=(error,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def report(self, outcome: Callable[[], int]) -> int:
+        """Report the main thread's outcome (never alongside the watchdog's own report);
+        firing later only exits with its code."""
+        with self._lock:
+            self._code = outcome()
+            return self._code
+
+    def disarm(self) -> None:
+        """The main thread is done: the watchdog must not act."""
+        with self._lock:
+            self._disarmed = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _fire(self, error: RendezvousError) -> None:
+        with self._lock:
+            if self._disarmed:
+                return
+            self._disarmed = True
+            print(
+                f"the job did not stop within {self.grace:g}s of the job's loss: "
+                "the watchdog ends the process",
+                file=sys.stderr,
+            )
+            code = self._code
+            if code is None:
+                code = _fail(error, error.exit_code, self.member)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
 class Terminated(BaseException):
     """SIGTERM, turned into an exception so the member leaves cleanly and says why."""
 
@@ -96,6 +160,8 @@ def run_worker(options: WorkerOptions) -> int:
         job.close()
         return _fail(exc, EXIT_ETCD_UNAVAILABLE, phase="etcd_connect")
     member: Member | None = None
+    watchdog: Watchdog | None = None
+    failure: tuple[BaseException, int] | None = None
     try:
         member = Member(
             etcd,
@@ -106,6 +172,8 @@ def run_worker(options: WorkerOptions) -> int:
             address=options.advertise_address,
             port=options.port,
         )
+        watchdog = Watchdog(member)
+        member.on_trouble(watchdog.arm)
         with member:
             member.leader_election()
             emit("phase", phase="leader_election", rank=member.rank)
@@ -122,20 +190,25 @@ def run_worker(options: WorkerOptions) -> int:
             emit("phase", phase="cleaner", rank=member.rank, cleaned_up=member.cleaned_up)
         timeline = [record.__dict__ for record in member.timeline]
         emit("done", rank=member.rank, roster=roster.model_dump(), result=result, timeline=timeline)
-        return EXIT_OK
     except RendezvousError as exc:
-        return _fail(exc, exc.exit_code, member)
+        failure = (exc, exc.exit_code)
     except EtcdUnavailable as exc:
-        return _fail(exc, EXIT_ETCD_UNAVAILABLE, member)
+        failure = (exc, EXIT_ETCD_UNAVAILABLE)
     except (KeyboardInterrupt, Terminated) as exc:
-        return _fail(exc, EXIT_INTERRUPTED, member)
+        failure = (exc, EXIT_INTERRUPTED)
     except ValueError as exc:  # a bad job parameter or argument
-        return _fail(exc, EXIT_USAGE, member)
+        failure = (exc, EXIT_USAGE)
     except Exception as exc:
-        return _fail(exc, EXIT_ERROR, member)
-    finally:
-        job.close()
-        etcd.close()
+        failure = (exc, EXIT_ERROR)
+    if watchdog is None:
+        code = _fail(*failure, member) if failure else EXIT_OK
+    else:  # reported once: should closing hang, the watchdog only exits with this code
+        code = watchdog.report(lambda: _fail(*failure, member) if failure else EXIT_OK)
+    job.close()
+    etcd.close()
+    if watchdog is not None:
+        watchdog.disarm()
+    return code
 
 
 def _fail(

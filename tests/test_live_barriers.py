@@ -19,6 +19,7 @@ from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.steps import parse
+from coordinator.worker import TROUBLE_GRACE_SECONDS
 from tests.conftest import Proc, wait_until, worker_args
 
 WORLD = 3
@@ -265,3 +266,30 @@ def test_killed_worker_leaves_the_set_and_the_others_finish_with_continue(
 def test_bad_parameters_are_named(params: dict[str, str], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         parse(params, WORLD)
+
+
+def test_a_step_that_never_looks_at_etcd_is_ended_by_the_watchdog(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
+) -> None:
+    """Rank 0 is stuck in a 100 s step (as in native code that never returns to us) when
+    rank 2 dies: it still fails within the TTL plus the watchdog's grace, naming rank 2."""
+    params = {"method": "bsp", "num_steps": 2, "step_seconds": 0.5}
+    params |= {"straggler_rank": 0, "straggler_factor": 200}
+    procs = [
+        spawn(steps_args(etcd_server.endpoint, etcd.namespace, params, ttl=2)) for _ in range(WORLD)
+    ]
+    ranks = [p.wait_event(lambda e: e.get("phase") == "leader_election")["rank"] for p in procs]
+    progress = etcd.key("jobs", "job", "steps", "progress", f"{1:06d}")
+    wait_until(lambda: etcd.get(progress) is not None, 30, "rank 1 to finish a step")
+    procs[ranks.index(2)].kill()
+    killed_at = time.monotonic()
+    for rank in (0, 1):
+        proc = procs[ranks.index(rank)]
+        assert proc.wait_exit(timeout=30) == 5
+        assert proc.exited_at is not None
+        assert proc.exited_at - killed_at < 2 + 2 + TROUBLE_GRACE_SECONDS + 1
+        failed = proc.wait_event(lambda e: e["event"] == "failed")
+        assert failed["error"] == "MemberLost" and "rank 2" in failed["message"]
+        # Rank 1 waits at the barrier and fails by itself; rank 0 needs the watchdog.
+        wait_until(lambda p=proc: any("error" in line for line in p.stderr), 5, "stderr")
+        assert any("watchdog" in line for line in proc.stderr) == (rank == 0), proc.stderr

@@ -163,6 +163,7 @@ class Member:
         self._tolerate_loss = False
         self._wait_token = 0
         self._loss_listeners: list[Callable[[int, str], None]] = []
+        self._trouble_listeners: list[Callable[[RendezvousError], None]] = []
 
     # -- the phases -------------------------------------------------------
 
@@ -427,14 +428,21 @@ class Member:
                     self._excused.add(rank)
                 else:
                     self._lost.setdefault(rank, (state, self.phase))
-                    self._trouble.set()
+                    self._report_trouble(MemberLost(rank, self.phase, loss_reason(state)))
                 for listener in self._loss_listeners:
                     listener(rank, loss_reason(state))
             self._inbox.put(("member", rank, state))
 
     def _on_session_lost(self, reason: str) -> None:
-        self._trouble.set()
+        self._report_trouble(SessionLost(f"this member's etcd lease is lost ({reason})"))
         self._inbox.put(("session", reason))
+
+    def _report_trouble(self, error: RendezvousError) -> None:
+        first = not self._trouble.is_set()
+        self._trouble.set()
+        if first:
+            for listener in self._trouble_listeners:
+                listener(error)
 
     def _wait(
         self,
@@ -510,6 +518,11 @@ class Member:
         """Call `listener(rank, reason)` (from a watch thread; be quick) for each member lost
         from now on, excused or not: for a job that must act on a loss while it trains."""
         self._loss_listeners.append(listener)
+
+    def on_trouble(self, listener: Callable[[RendezvousError], None]) -> None:
+        """Call `listener(error)` (from a watch thread; be quick) once, when the job first
+        cannot go on: a member lost that is not excused, or this member's own lease lost."""
+        self._trouble_listeners.append(listener)
 
     def serve(self, handler: Callable[[socket.socket], None]) -> None:
         """Hand connections to this member's roster endpoint to `handler` after the greeting
