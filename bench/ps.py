@@ -7,7 +7,9 @@
    through a real `ParameterServer` in another process, against the floor: the
    same bytes sent to that process over a loopback TCP socket and the same
    number of bytes sent back (no framing, no model, no optimizer). Both ends are
-   separate processes, as in a job.
+   separate processes, as in a job. The two alternate in blocks of 20 round
+   trips, and the figure is the median of the blocks' ratios: this machine's
+   speed drifts between runs by 2x, within a block hardly.
 2. **Throughput.** The `mnist` job with 1 server + 2 trainers (real processes,
    embedded etcd) under ASP and under BSP, against one process training the same
    model on the same data, same batch size and epochs, with 2 threads. Each
@@ -41,7 +43,8 @@ from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import batch_rows
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, MnistNet, server_tensors
-from coordinator.ps.server import OptimizerSpec, ParameterServer
+from coordinator.ps.optim import OptimizerSpec
+from coordinator.ps.server import ParameterServer
 from coordinator.rendezvous.endpoint import MemberEndpoint
 
 console = Console(width=120)
@@ -62,10 +65,10 @@ def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:  
     endpoint = MemberEndpoint(JOB, MEMBER, "127.0.0.1")
     endpoint.handler = server.handle
     raw = socket.create_server(("127.0.0.1", 0))
-    ready.put((endpoint.port, raw.getsockname()[1], server.flat.numel() * 4))
+    ready.put((endpoint.port, raw.getsockname()[1], server.size * 4))
     conn, _ = raw.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buffer = bytearray(server.flat.numel() * 4)
+    buffer = bytearray(server.size * 4)
     view = memoryview(buffer)
     with conn:
         while True:  # receive the model's bytes, send as many back
@@ -80,8 +83,10 @@ def _serve(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:  
             conn.sendall(view)
 
 
-def transport(repeats: int) -> tuple[float, float, int]:
-    """Median seconds of (one raw round trip of the model's bytes, one pull + push)."""
+def transport(blocks: int, per_block: int = 20) -> tuple[float, float, float, int]:
+    """Raw round trips of the model's bytes and pull + push, interleaved in blocks so both
+    see the same machine: (median raw s, median ours s, median of the blocks' ratios, size).
+    """
     context = multiprocessing.get_context("spawn")
     ready, stop = context.Queue(), context.Event()
     process = context.Process(target=_serve, args=(ready, stop))
@@ -89,16 +94,8 @@ def transport(repeats: int) -> tuple[float, float, int]:
     try:
         ps_port, raw_port, size = ready.get(timeout=60)
         payload = memoryview(bytearray(size))
-        raw_times = []
-        with socket.create_connection(("127.0.0.1", raw_port)) as raw:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for _ in range(repeats):
-                began = time.perf_counter()
-                raw.sendall(payload)
-                got = 0
-                while got < size:
-                    got += raw.recv_into(payload[got:])
-                raw_times.append(time.perf_counter() - began)
+        raw = socket.create_connection(("127.0.0.1", raw_port))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         flat = FlatModel.build(MnistNet(), 1)
         links = ServerLinks(
             flat,
@@ -108,15 +105,33 @@ def transport(repeats: int) -> tuple[float, float, int]:
             trainer=0,
             timeout=10,
         )
-        ours = []
-        for step in range(repeats):
-            began = time.perf_counter()
-            links.pull()
-            links.push(step + 1)
-            ours.append(time.perf_counter() - began)
+        raw_times: list[float] = []
+        ours: list[float] = []
+        ratios: list[float] = []
+        step = 0
+        for _ in range(blocks):
+            raw_block, ours_block = [], []
+            for _ in range(per_block):
+                began = time.perf_counter()
+                raw.sendall(payload)
+                got = 0
+                while got < size:
+                    got += raw.recv_into(payload[got:])
+                raw_block.append(time.perf_counter() - began)
+            for _ in range(per_block):
+                step += 1
+                began = time.perf_counter()
+                links.pull()
+                links.push(step)
+                ours_block.append(time.perf_counter() - began)
+            ratios.append(statistics.median(raw_block) / statistics.median(ours_block))
+            raw_times += raw_block
+            ours += ours_block
         links.bye()
         links.close()
-        return statistics.median(raw_times), statistics.median(ours), size
+        raw.close()
+        ratio = statistics.median(ratios)
+        return statistics.median(raw_times), statistics.median(ours), ratio, size
     finally:
         stop.set()
         process.join(timeout=10)
@@ -176,15 +191,20 @@ def main(
     data: str = typer.Option("digits", help="digits (builtin) or a directory of IDX files"),
     epochs: int = typer.Option(3, help="epochs of the throughput runs"),
     batch_size: int = typer.Option(32, help="samples per step (per trainer)"),
-    repeats: int = typer.Option(200, help="round trips of the transport part"),
+    blocks: int = typer.Option(20, help="blocks of 20 round trips each, raw then ours"),
+    throughput: bool = typer.Option(True, help="also run the throughput part"),
 ) -> None:
-    floor, ours, size = transport(repeats)
-    table = Table(title=f"transport: the model's {size / 1e3:.0f} kB each way, median of {repeats}")
-    for column in ("what", "ms", "x floor speed"):
+    floor, ours, ratio, size = transport(blocks)
+    table = Table(
+        title=f"transport: the model's {size / 1e3:.0f} kB each way, {blocks} x 20 interleaved"
+    )
+    for column in ("what", "median ms", "x floor speed (median of blocks)"):
         table.add_column(column, justify="right")
     table.add_row("raw loopback round trip (floor)", f"{floor * 1e3:.3f}", "1.00")
-    table.add_row("pull + push (ours)", f"{ours * 1e3:.3f}", f"{floor / ours:.2f}")
+    table.add_row("pull + push (ours)", f"{ours * 1e3:.3f}", f"{ratio:.2f}")
     console.print(table)
+    if not throughput:
+        return
 
     baseline = one_process(data, epochs, batch_size, threads=2)
     table = Table(title=f"throughput: {data}, {epochs} epochs, batch {batch_size}")

@@ -59,7 +59,8 @@ from coordinator.jobs.params import artifacts_dir, check_known, float_param, int
 from coordinator.jobs.steps import BARRIER_PARAMS, parse_barrier, parse_stop, parse_straggler
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, MnistNet, server_tensors
-from coordinator.ps.server import OptimizerSpec, ParameterServer
+from coordinator.ps.optim import OptimizerSpec
+from coordinator.ps.server import ParameterServer
 from coordinator.ps.wire import ProtocolError
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout
 

@@ -7,9 +7,11 @@ trainer computed it from) is logged. With `aggregate`, the gradients of one
 step from every live trainer are averaged, in trainer order, into one update,
 and each trainer's ACK waits for it: synchronous SGD.
 
-A pull copies the share under the lock into the connection's own buffer and
-sends it from there: the one copy that lets updates go on while the bytes
-travel, so no trainer ever reads weights an update is half-way through.
+Published weights are never written again: an update reads them and writes
+the next weights into a free buffer (`optim.FlatOptimizer`), which it then
+publishes. A pull takes the published buffer under the lock and sends it
+without the lock and without a copy, while further updates go on, and no
+trainer ever reads weights an update is half-way through.
 
 Every `checkpoint_every` updates the server writes its share, the optimizer
 state, its version and the trainers' clocks to a file (temporary name, then
@@ -28,24 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from coordinator.ps import wire
+from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.ps.wire import Dtype, Kind, PeerClosed, ProtocolError
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    name: str  # sgd | adam
-    lr: float
-    momentum: float = 0.0
-    decay: float = 1.0  # the learning rate is multiplied by this every `decay_every` updates
-    decay_every: int = 0
-
-    def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        if self.name == "adam":
-            return torch.optim.Adam(params, lr=self.lr, foreach=False)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, foreach=False)
 
 
 @dataclass(frozen=True)
@@ -80,6 +68,41 @@ class _Step:
     applied: bool = False
 
 
+class _Published:
+    """The published weights and the buffers an update may write (used under the lock).
+
+    A buffer being sent to a trainer is borrowed; an update writes only a buffer
+    that is neither published nor borrowed, so the pool holds at most one buffer
+    per connection plus two.
+    """
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.current = weights
+        self._free: list[torch.Tensor] = []
+        self._borrowers: dict[int, int] = {}  # id(buffer) -> pulls sending it
+
+    def borrow(self) -> torch.Tensor:
+        key = id(self.current)
+        self._borrowers[key] = self._borrowers.get(key, 0) + 1
+        return self.current
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        key = id(buffer)
+        self._borrowers[key] -= 1
+        if not self._borrowers[key]:
+            del self._borrowers[key]
+            if buffer is not self.current:
+                self._free.append(buffer)
+
+    def writable(self) -> torch.Tensor:
+        return self._free.pop() if self._free else torch.empty_like(self.current)
+
+    def publish(self, buffer: torch.Tensor) -> None:
+        old, self.current = self.current, buffer
+        if id(old) not in self._borrowers:
+            self._free.append(old)
+
+
 class ParameterServer:
     """Serve one share of the parameters to `trainers` trainers (see the module docstring)."""
 
@@ -100,16 +123,11 @@ class ParameterServer:
         self.job_id, self.round, self.index = job_id, round_, index
         self.layout = [(name, list(t.shape)) for name, t in tensors]
         self.digest = wire.layout_digest(self.layout)
-        total = sum(t.numel() for _, t in tensors)
-        self.flat = torch.empty(total)
-        offset = 0
-        for _, tensor in tensors:
-            self.flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
-            offset += tensor.numel()
-        # One parameter for the whole share: SGD and Adam are elementwise, so this is the
-        # same update as per tensor, in one optimizer call instead of one per tensor.
-        self.param = nn.Parameter(self.flat)
-        self.optimizer = optimizer.build([self.param])
+        # The whole share as one flat tensor: SGD and Adam are elementwise, so this is
+        # the same update as per tensor, in one call instead of one per tensor.
+        self.size = sum(t.numel() for _, t in tensors)
+        self.weights = _Published(torch.cat([t.detach().reshape(-1) for _, t in tensors]))
+        self.optimizer = FlatOptimizer(optimizer, self.size)
         self.decay, self.decay_every = optimizer.decay, optimizer.decay_every
         self.aggregate = aggregate
         self.version = 0
@@ -171,24 +189,26 @@ class ParameterServer:
         return trainer
 
     def _serve(self, sock: socket.socket, trainer: int | None) -> None:
-        snapshot = torch.empty_like(self.flat)
-        grad = torch.empty_like(self.flat)
+        grad = torch.empty(self.size)
         while True:
             header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.BYE)
             if header.kind == Kind.PULL:
                 with self.changed:
                     while self.version < header.a and not self._closed:
                         self.changed.wait()
-                    snapshot.copy_(self.flat)
-                    version = self.version
-                wire.send(sock, Kind.WEIGHTS, version, 0, [_view(snapshot)], Dtype.FLOAT32)
+                    weights, version = self.weights.borrow(), self.version
+                try:
+                    wire.send(sock, Kind.WEIGHTS, version, 0, [_view(weights)], Dtype.FLOAT32)
+                finally:
+                    with self.changed:
+                        self.weights.give_back(weights)
             elif header.kind == Kind.PUSH:
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
                 wire.receive_tensor(sock, header, _view(grad))
                 if self.aggregate:
                     version, staleness = self._aggregate(trainer, header.b, header.a, grad)
-                    grad = torch.empty_like(self.flat)  # the step keeps the old buffer
+                    grad = torch.empty(self.size)  # the step keeps the old buffer
                     wire.send(sock, Kind.ACK, version, staleness)
                 else:
                     self._apply(sock, trainer, header.b, header.a, grad)
@@ -254,14 +274,14 @@ class ParameterServer:
 
     def _update(self, grad: torch.Tensor, rows: list[Applied]) -> None:
         """One optimizer step with `grad` (called under the lock)."""
-        self.param.grad = grad
-        self.optimizer.step()
+        updated = self.weights.writable()
+        self.optimizer.step(self.weights.current, grad, out=updated)
+        self.weights.publish(updated)
         self.version += 1
         self.log.extend(rows)
         every = self.decay_every
         if every and self.version % every == 0:  # an epoch's worth of updates
-            for group in self.optimizer.param_groups:
-                group["lr"] *= self.decay
+            self.optimizer.lr *= self.decay
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self._save_checkpoint()
         self.changed.notify_all()
@@ -306,7 +326,7 @@ class ParameterServer:
         state = {
             "version": self.version,
             "clocks": {t: s.clock for t, s in self.trainers.items()},
-            "params": self.flat.clone(),
+            "params": self.weights.current,  # published: never written again
             "optimizer": self.optimizer.state_dict(),
             "layout": self.digest,
         }
@@ -327,7 +347,7 @@ class ParameterServer:
                 f"checkpoint {path} is of another model or trainer count "
                 f"({len(state['clocks'])} trainers); remove it or use another job id"
             )
-        self.flat.copy_(state["params"])
+        self.weights.current.copy_(state["params"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = self.resumed_from = int(state["version"])
         for t, clock in state["clocks"].items():
@@ -337,7 +357,7 @@ class ParameterServer:
 
     def snapshot(self) -> tuple[torch.Tensor, int]:
         with self.changed:
-            return self.flat.clone(), self.version
+            return self.weights.current.clone(), self.version
 
     def staleness_histogram(self) -> dict[int, int]:
         with self.changed:
