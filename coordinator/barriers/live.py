@@ -44,7 +44,9 @@ the clocks they need, and waits with watches, never by polling:
   watches its mailbox for the whole run. So a step is one request, a check
   reads beta keys and creates no watch, and a wait costs one notification,
   whatever P is.
-- ASP reads nothing.
+- ASP reads nothing, and publishes its clock at most every
+  `ASP_PUBLISH_SECONDS` (and when it finishes): nobody waits on it, it only
+  shows progress, and a request per step is a tenth of a small model's step.
 
 Only the `participants` step (all members by default; a parameter-server job's
 trainers): the others publish no clock, and losing one of them always fails the
@@ -90,6 +92,7 @@ from coordinator.rendezvous.member import Member, loss_reason, member_state, ran
 DONE = 10**12 - 1  # the order level of a finished worker: above every clock
 LEVEL_DIGITS = 12
 MAX_TXN_OPS = 128  # etcd's default cap: a transaction's operations plus its widest nested one
+ASP_PUBLISH_SECONDS = 0.2
 
 
 class OnLoss(StrEnum):
@@ -243,6 +246,7 @@ class LiveBarrier:
         self._ordered = sorted(self.participants)
         self._intervals: deque[float] = deque(maxlen=5)
         self._last_push = time.time()
+        self._asp_published = 0.0
         self._view: dict[int, Clock] = {}  # every peer's clock (full-view methods)
         self._inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._watches: list[Watch] = []
@@ -387,6 +391,10 @@ class LiveBarrier:
         self._intervals.append(now - self._last_push)
         self._last_push = now
         self.clock += 1
+        if self.spec.method == Method.ASP:
+            if now - self._asp_published < ASP_PUBLISH_SECONDS:
+                return
+            self._asp_published = now
         self._publish(done=False, stepped=True)
 
     def finish(self) -> None:
