@@ -532,6 +532,45 @@ class Etcd:
         mine = current.value == raw and current.lease == lease
         return response.succeeded or mine, current, count
 
+    def replace(
+        self, key: str, value: bytes | str, mod_revision: int
+    ) -> tuple[bool, KeyValue | None]:
+        """Write `key` only if it is still at `mod_revision` (compare-and-swap).
+
+        Returns (written, the key as someone else left it: None when it is gone
+        or when the write succeeded).
+        """
+        request = etcdrpc.TxnRequest(
+            compare=[
+                etcdrpc.Compare(
+                    key=key.encode(),
+                    result=etcdrpc.Compare.EQUAL,
+                    target=etcdrpc.Compare.MOD,
+                    mod_revision=mod_revision,
+                )
+            ],
+            success=[
+                etcdrpc.RequestOp(
+                    request_put=etcdrpc.PutRequest(key=key.encode(), value=_bytes(value))
+                )
+            ],
+            failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))],
+        )
+        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        if response.succeeded:
+            return True, None
+        kvs = response.responses[0].response_range.kvs
+        return False, (_kv(kvs[0]) if kvs else None)
+
+    def page(self, prefix: str, after: str | None, limit: int) -> tuple[list[KeyValue], bool]:
+        """Up to `limit` keys under `prefix` that sort after `after`, and whether more follow."""
+        start = (after + "\0") if after else prefix
+        request = etcdrpc.RangeRequest(
+            key=start.encode(), range_end=prefix_end(prefix), limit=limit
+        )
+        response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
+        return [_kv(kv) for kv in response.kvs], bool(response.more)
+
     def put_and_count(
         self, key: str, value: bytes | str, lease: int, prefix: str
     ) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The `coordinator` command: `worker` (one member), `run` (a whole job locally), `etcd`."""
+"""The member commands: `worker` (one member) and `run` (a whole job with local workers)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -25,68 +23,25 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from coordinator.cli.options import (
+    ConnectTimeoutOption,
+    EtcdOption,
+    JobKind,
+    NamespaceOption,
+    ParamOption,
+    TimeoutOption,
+    TtlOption,
+    console,
+    parse_param_option,
+)
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.jobs import JOB_KINDS
-from coordinator.jobs.params import parse_params
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
-from coordinator.worker import EXIT_CODES, EXIT_INTERRUPTED, WorkerOptions, run_worker
-
-app = typer.Typer(
-    help="Containers that find each other through etcd and train together.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console(stderr=True)
-
-JobKind = Enum("JobKind", {name: name for name in JOB_KINDS}, type=str)  # type: ignore[misc]
+from coordinator.worker import EXIT_INTERRUPTED, WorkerOptions, run_worker
 
 PHASES = ["leader_election", "ip_exchange", "connect", "training", "cleaner"]
 
-EtcdOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd",
-        envvar="COORDINATOR_ETCD",
-        help="etcd endpoints HOST:PORT[,HOST:PORT...]",
-        show_default=False,
-    ),
-]
-NamespaceOption = Annotated[
-    str, typer.Option(envvar="COORDINATOR_NAMESPACE", help="key prefix of this deployment")
-]
-TtlOption = Annotated[
-    int,
-    typer.Option(
-        envvar="COORDINATOR_TTL",
-        min=2,
-        help="lease TTL in seconds: a dead member is noticed within it",
-    ),
-]
-TimeoutOption = Annotated[
-    float,
-    typer.Option(
-        envvar="COORDINATOR_TIMEOUT", min=0.1, help="deadline of each phase's wait, in seconds"
-    ),
-]
-ParamOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        envvar="COORDINATOR_PARAMS", help="job parameter KEY=VALUE (repeat, or comma-separate)"
-    ),
-]
-ConnectTimeoutOption = Annotated[
-    float,
-    typer.Option(
-        envvar="COORDINATOR_CONNECT_TIMEOUT",
-        min=0.1,
-        help="give up on reaching etcd after this many seconds",
-    ),
-]
 
-
-@app.command()
 def worker(
     job: Annotated[
         str, typer.Option(envvar="COORDINATOR_JOB", help="job id shared by all members")
@@ -116,10 +71,7 @@ def worker(
     param: ParamOption = None,
 ) -> None:
     """Run one member of a job: the entrypoint of a worker container."""
-    try:
-        params = parse_params(param or [])
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--param") from None
+    params = parse_param_option(param)
     code = run_worker(
         WorkerOptions(
             job_id=job,
@@ -154,7 +106,6 @@ def _etcd_endpoint(etcd: str | None) -> Iterator[str]:
         yield server.endpoint
 
 
-@app.command()
 def run(
     kind: Annotated[JobKind, typer.Argument(help="job kind")],
     workers: Annotated[int, typer.Option(min=1, help="number of local worker processes")] = 2,
@@ -246,7 +197,10 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
 
 
 def _follow_steps(
-    progress: Progress, tasks: dict[str, TaskID], event: dict, clocks: dict[int, tuple[int, int]]
+    progress: Progress,
+    tasks: dict[str, TaskID],
+    event: dict[str, Any],
+    clocks: dict[int, tuple[int, int]],
 ) -> None:
     """One bar for all trainers' steps, titled with the latest test accuracy."""
     if "steps" not in tasks:
@@ -290,160 +244,3 @@ def _report(workers: list[LocalWorker]) -> int:
         return next(w.exit_code for w in failed if w.exit_code is not None) or 1
     console.print(f"[green]all {len(workers)} workers passed every phase and cleaned up[/green]")
     return 0
-
-
-@app.command("etcd")
-def etcd_server() -> None:
-    """Run an embedded etcd on a free loopback port until Ctrl-C (for trying `worker`)."""
-    with EmbeddedEtcd() as server:
-        console.print(f"etcd listening at [bold]{server.endpoint}[/bold]; Ctrl-C stops it")
-        print(server.endpoint, flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.pause()
-
-
-@app.command("exit-codes")
-def exit_codes() -> None:
-    """List the worker's exit codes and what each means."""
-    for code, meaning in EXIT_CODES.items():
-        print(f"{code:>4}  {meaning}")
-
-
-@app.command("k8s")
-def k8s_manifests(
-    workers: Annotated[int, typer.Option(help="number of workers N (pods of the Indexed Job)")],
-    job: Annotated[str, typer.Option(help="job id shared by the members")],
-    image: Annotated[str, typer.Option(help="worker image")] = "etcd-coordinator:latest",
-    etcd: Annotated[
-        str | None,
-        typer.Option(
-            "--etcd",
-            help="external etcd HOST:PORT[,...]; leaves the bundled etcd out [bundled]",
-            show_default=False,
-        ),
-    ] = None,
-    kind: Annotated[JobKind, typer.Option(help="job kind")] = "noop",  # type: ignore[assignment]
-    namespace: Annotated[str, typer.Option(help="key prefix of this deployment")] = "/coordinator",
-    param: Annotated[
-        list[str] | None, typer.Option(help="job parameter KEY=VALUE (repeat, or comma-separate)")
-    ] = None,
-) -> None:
-    """Print Kubernetes manifests for one job: `coordinator k8s ... | kubectl apply -f -`."""
-    # Imported here: the manifests are only needed by this command.
-    from coordinator.deploy import k8s as k8s_deploy
-
-    try:
-        docs = k8s_deploy.render(
-            workers=workers,
-            job=job,
-            image=image,
-            etcd=etcd,
-            namespace_prefix=namespace,
-            kind=kind.value,
-            params=",".join(f"{k}={v}" for k, v in parse_params(param or []).items()),
-        )
-    except k8s_deploy.InvalidValue as exc:
-        raise typer.BadParameter(str(exc), param_hint=f"--{exc.field}") from None
-    except ValueError as exc:  # a parameter that is not KEY=VALUE
-        raise typer.BadParameter(str(exc), param_hint="--param") from None
-    except FileNotFoundError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
-    print(k8s_deploy.dump(docs), end="")
-
-
-@app.command("simulate")
-def simulate_barriers(
-    workers: Annotated[int, typer.Option(min=1, help="number of virtual workers P")] = 200,
-    seconds: Annotated[float, typer.Option(min=0, help="simulated duration in seconds")] = 200.0,
-    barrier: Annotated[
-        str,
-        typer.Option(
-            help="method(s), comma-separated: bsp, asp, ssp[:S], pbsp[:BETA], pssp[:S:BETA], "
-            "dssp[:S_L:S_U]; bare names take --staleness/--sample/--staleness-upper"
-        ),
-    ] = "pssp",
-    staleness: Annotated[
-        int | None, typer.Option(min=0, help="s for ssp/pssp, S_L for dssp", show_default=False)
-    ] = None,
-    sample: Annotated[
-        int | None, typer.Option(min=0, help="beta for pbsp/pssp", show_default=False)
-    ] = None,
-    staleness_upper: Annotated[
-        int | None, typer.Option(min=0, help="S_U for dssp", show_default=False)
-    ] = None,
-    delay: Annotated[
-        str,
-        typer.Option(
-            help="step durations: exp:SHIFT,MEAN | gamma:SHAPE,SCALE | "
-            "straggler:FRACTION,FACTOR[,BASE] | trace:CSV"
-        ),
-    ] = "exp:1,1",
-    seed: Annotated[int, typer.Option(help="seed of the delay and sampling streams")] = 0,
-    sample_timing: Annotated[
-        str, typer.Option(help="per-check (fresh sample at each check) or per-step (one per wait)")
-    ] = "per-check",
-    out: Annotated[str, typer.Option(help="directory for steps.csv and steps.png")] = ".",
-) -> None:
-    """Simulate P workers under barrier methods; write DIR/steps.csv and DIR/steps.png."""
-    # Imported here: the simulator is not needed by the worker commands.
-    import pathlib
-
-    from coordinator.barriers.policy import SampleTiming
-    from coordinator.simulator import engine, report
-    from coordinator.simulator.delays import parse_delay
-    from coordinator.simulator.spec import parse_barriers
-
-    directory = pathlib.Path(out)
-
-    try:
-        specs = parse_barriers(barrier, staleness, sample, staleness_upper)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--barrier") from None
-    try:
-        model = parse_delay(delay)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--delay") from None
-    try:
-        timing = SampleTiming(sample_timing)
-    except ValueError:
-        raise typer.BadParameter(
-            f"{sample_timing!r}: use per-check or per-step", param_hint="--sample-timing"
-        ) from None
-    directory.mkdir(parents=True, exist_ok=True)
-    results = []
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        for spec in specs:
-            task = bar.add_task(str(spec), total=seconds or 1)
-            results.append(
-                engine.simulate(
-                    spec,
-                    workers,
-                    seconds,
-                    model,
-                    seed=seed,
-                    timing=timing,
-                    progress=lambda t, task=task: bar.update(task, completed=t),
-                )
-            )
-    report.write_csv(results, directory / "steps.csv")
-    report.plot(
-        results, directory / "steps.png", title=f"P={workers}, {seconds:g} s, delay {delay}"
-    )
-    table = Table(title=f"{workers} workers, {seconds:g} simulated s, delay {delay}, seed {seed}")
-    for column in ("method", "mean step", "min", "max", "mean wait (s)", "max gap"):
-        table.add_column(
-            column, justify="left" if column == "method" else "right", no_wrap=column == "method"
-        )
-    for result in results:
-        row = report.summary(result)
-        table.add_row(*(str(value) for value in row.values()))
-    Console().print(table)
-    console.print(f"wrote {directory / 'steps.csv'} and {directory / 'steps.png'}")

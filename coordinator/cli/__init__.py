@@ -1,0 +1,31 @@
+"""The `coordinator` typer app, with every command registered on it in help order."""
+
+from __future__ import annotations
+
+import typer
+
+from coordinator.cli import client, cluster, members, serve, simulate
+
+__all__ = ["app"]
+
+app = typer.Typer(
+    help="Containers that find each other through etcd and train together.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Registered here, not by decorators in the modules, so the order in `--help` is explicit.
+app.command()(members.worker)
+app.command()(members.run)
+app.command("etcd")(cluster.etcd_server)
+app.command("exit-codes")(cluster.exit_codes)
+app.command("k8s")(cluster.k8s_manifests)
+app.command("simulate")(simulate.simulate_barriers)
+app.command("serve")(serve.serve)
+app.command("submit")(client.submit)
+app.command("jobs")(client.jobs)
+app.command("status")(client.status)
+app.command("events")(client.events)
+app.command("logs")(client.logs)
+app.command("cancel")(client.cancel)

@@ -1,0 +1,71 @@
+"""The commands around a deployment: `etcd` (local etcd), `exit-codes`, `k8s` (manifests)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Annotated
+
+import typer
+
+from coordinator.cli.options import JobKind, console
+from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.jobs.params import parse_params
+from coordinator.worker import EXIT_CODES
+
+
+def etcd_server() -> None:
+    """Run an embedded etcd on a free loopback port until Ctrl-C (for trying `worker`)."""
+    with EmbeddedEtcd() as server:
+        console.print(f"etcd listening at [bold]{server.endpoint}[/bold]; Ctrl-C stops it")
+        print(server.endpoint, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
+
+
+def exit_codes() -> None:
+    """List the worker's exit codes and what each means."""
+    for code, meaning in EXIT_CODES.items():
+        print(f"{code:>4}  {meaning}")
+
+
+def k8s_manifests(
+    workers: Annotated[int, typer.Option(help="number of workers N (pods of the Indexed Job)")],
+    job: Annotated[str, typer.Option(help="job id shared by the members")],
+    image: Annotated[str, typer.Option(help="worker image")] = "etcd-coordinator:latest",
+    etcd: Annotated[
+        str | None,
+        typer.Option(
+            "--etcd",
+            help="external etcd HOST:PORT[,...]; leaves the bundled etcd out [bundled]",
+            show_default=False,
+        ),
+    ] = None,
+    kind: Annotated[JobKind, typer.Option(help="job kind")] = "noop",  # type: ignore[assignment]
+    namespace: Annotated[str, typer.Option(help="key prefix of this deployment")] = "/coordinator",
+    param: Annotated[
+        list[str] | None, typer.Option(help="job parameter KEY=VALUE (repeat, or comma-separate)")
+    ] = None,
+) -> None:
+    """Print Kubernetes manifests for one job: `coordinator k8s ... | kubectl apply -f -`."""
+    # Imported here: the manifests are only needed by this command.
+    from coordinator.deploy import k8s as k8s_deploy
+
+    try:
+        docs = k8s_deploy.render(
+            workers=workers,
+            job=job,
+            image=image,
+            etcd=etcd,
+            namespace_prefix=namespace,
+            kind=kind.value,
+            params=",".join(f"{k}={v}" for k, v in parse_params(param or []).items()),
+        )
+    except k8s_deploy.InvalidValue as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{exc.field}") from None
+    except ValueError as exc:  # a parameter that is not KEY=VALUE
+        raise typer.BadParameter(str(exc), param_hint="--param") from None
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    print(k8s_deploy.dump(docs), end="")

@@ -1,0 +1,116 @@
+"""`coordinator serve`: the REST service (API, and the reconciler when this replica leads)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from coordinator.cli.options import EtcdOption, NamespaceOption, console
+
+
+def serve(
+    host: Annotated[str, typer.Option(envvar="COORDINATOR_HOST", help="address to listen on")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(envvar="COORDINATOR_PORT", min=0, max=65535)] = 8080,
+    etcd: EtcdOption = None,
+    namespace: NamespaceOption = "/coordinator",
+    data_dir: Annotated[
+        Path,
+        typer.Option(
+            envvar="COORDINATOR_DATA",
+            help="member logs, default artifacts, and the embedded etcd's data",
+        ),
+    ] = Path("coordinator-data"),
+    max_workers: Annotated[
+        int, typer.Option(min=1, help="worker slots: jobs queue until theirs are free")
+    ] = max(2, 2 * (os.cpu_count() or 1)),
+    grace: Annotated[float, typer.Option(min=0, help="seconds from SIGTERM to SIGKILL")] = 10.0,
+    member_ttl: Annotated[int, typer.Option(min=2, help="lease TTL of the members")] = 10,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(envvar="COORDINATOR_TOKEN_FILE", help="lines of '<read|submit> <token>'"),
+    ] = None,
+    insecure: Annotated[
+        bool, typer.Option(help="listen beyond loopback without tokens (anyone may submit)")
+    ] = False,
+    docker_image: Annotated[
+        str | None,
+        typer.Option(help="worker image: enables the docker launcher (containers)"),
+    ] = None,
+    docker_network: Annotated[
+        str, typer.Option(help="the containers' bridge network (created when missing)")
+    ] = "coordinator",
+    docker_host: Annotated[
+        str | None,
+        typer.Option(envvar="DOCKER_HOST", help="the engine's API, e.g. unix:///run/podman.sock"),
+    ] = None,
+    docker_etcd: Annotated[
+        str | None,
+        typer.Option(help="etcd endpoints HOST:PORT[,...] as containers reach them [--etcd]"),
+    ] = None,
+) -> None:
+    """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
+    import uvicorn
+
+    from coordinator.service.auth import Tokens
+    from coordinator.service.embedded import ServiceEtcd
+    from coordinator.service.runner import Service, ServiceOptions
+
+    tokens = None
+    if token_file is not None:
+        try:
+            tokens = Tokens.load(token_file)
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--token-file") from None
+    elif not insecure and not _loopback(host):
+        raise typer.BadParameter(
+            f"{host} is not loopback: give --token-file, or --insecure to serve without auth",
+            param_hint="--host",
+        )
+    if docker_image:
+        from coordinator.service.launchers.docker import container_endpoints
+
+        try:  # without --etcd, the embedded etcd: on loopback
+            container_endpoints(etcd or "127.0.0.1:2379", docker_etcd)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--docker-etcd") from None
+    data_dir = data_dir.absolute()
+    embedded = ServiceEtcd(data_dir) if not etcd else None
+    endpoint = etcd or (embedded.endpoint if embedded else "")
+    options = ServiceOptions(
+        etcd=endpoint,
+        namespace=namespace,
+        data_dir=data_dir,
+        max_workers=max_workers,
+        grace=grace,
+        member_ttl=member_ttl,
+        tokens=tokens,
+        docker_image=docker_image,
+        docker_network=docker_network,
+        docker_host=docker_host,
+        docker_etcd=docker_etcd,
+    )
+    service = Service(options)
+    console.print(f"[dim]etcd at {endpoint}; data in {data_dir}[/dim]")
+    service.start()
+    try:
+        uvicorn.run(service.app, host=host, port=port, log_level="warning")
+    finally:
+        idle = service.idle()
+        service.stop()
+        if embedded is not None and idle:  # else its members still need it: it stays up
+            embedded.stop()
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,108 @@
+"""The `simulate` command: many virtual workers under barrier methods, without etcd."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator.cli.options import console
+
+
+def simulate_barriers(
+    workers: Annotated[int, typer.Option(min=1, help="number of virtual workers P")] = 200,
+    seconds: Annotated[float, typer.Option(min=0, help="simulated duration in seconds")] = 200.0,
+    barrier: Annotated[
+        str,
+        typer.Option(
+            help="method(s), comma-separated: bsp, asp, ssp[:S], pbsp[:BETA], pssp[:S:BETA], "
+            "dssp[:S_L:S_U]; bare names take --staleness/--sample/--staleness-upper"
+        ),
+    ] = "pssp",
+    staleness: Annotated[
+        int | None, typer.Option(min=0, help="s for ssp/pssp, S_L for dssp", show_default=False)
+    ] = None,
+    sample: Annotated[
+        int | None, typer.Option(min=0, help="beta for pbsp/pssp", show_default=False)
+    ] = None,
+    staleness_upper: Annotated[
+        int | None, typer.Option(min=0, help="S_U for dssp", show_default=False)
+    ] = None,
+    delay: Annotated[
+        str,
+        typer.Option(
+            help="step durations: exp:SHIFT,MEAN | gamma:SHAPE,SCALE | "
+            "straggler:FRACTION,FACTOR[,BASE] | trace:CSV"
+        ),
+    ] = "exp:1,1",
+    seed: Annotated[int, typer.Option(help="seed of the delay and sampling streams")] = 0,
+    sample_timing: Annotated[
+        str, typer.Option(help="per-check (fresh sample at each check) or per-step (one per wait)")
+    ] = "per-check",
+    out: Annotated[str, typer.Option(help="directory for steps.csv and steps.png")] = ".",
+) -> None:
+    """Simulate P workers under barrier methods; write DIR/steps.csv and DIR/steps.png."""
+    # Imported here: the simulator is not needed by the worker commands.
+    import pathlib
+
+    from coordinator.barriers.policy import SampleTiming
+    from coordinator.simulator import engine, report
+    from coordinator.simulator.delays import parse_delay
+    from coordinator.simulator.spec import parse_barriers
+
+    directory = pathlib.Path(out)
+
+    try:
+        specs = parse_barriers(barrier, staleness, sample, staleness_upper)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--barrier") from None
+    try:
+        model = parse_delay(delay)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--delay") from None
+    try:
+        timing = SampleTiming(sample_timing)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{sample_timing!r}: use per-check or per-step", param_hint="--sample-timing"
+        ) from None
+    directory.mkdir(parents=True, exist_ok=True)
+    results = []
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        for spec in specs:
+            task = bar.add_task(str(spec), total=seconds or 1)
+            results.append(
+                engine.simulate(
+                    spec,
+                    workers,
+                    seconds,
+                    model,
+                    seed=seed,
+                    timing=timing,
+                    progress=lambda t, task=task: bar.update(task, completed=t),
+                )
+            )
+    report.write_csv(results, directory / "steps.csv")
+    report.plot(
+        results, directory / "steps.png", title=f"P={workers}, {seconds:g} s, delay {delay}"
+    )
+    table = Table(title=f"{workers} workers, {seconds:g} simulated s, delay {delay}, seed {seed}")
+    for column in ("method", "mean step", "min", "max", "mean wait (s)", "max gap"):
+        table.add_column(
+            column, justify="left" if column == "method" else "right", no_wrap=column == "method"
+        )
+    for result in results:
+        row = report.summary(result)
+        table.add_row(*(str(value) for value in row.values()))
+    Console().print(table)
+    console.print(f"wrote {directory / 'steps.csv'} and {directory / 'steps.png'}")

@@ -1,0 +1,443 @@
+"""The leader's loop: start queued jobs, follow their members, end attempts.
+
+Every tick (and at once when a record changes) the leader reads the active
+jobs from etcd and moves each one on. It keeps nothing of its own that a
+successor could not rebuild: members are found again from the pids or
+container ids in the records, and their progress from their output. So a
+restarted or newly elected leader adopts running members; it neither orphans
+nor duplicates them (starting a member is idempotent, see `launchers`).
+
+- Queue: jobs start in order of priority, then arrival, each as a whole (all
+  its members or none) when the free worker slots allow; a job that does not
+  fit holds back those behind it, so a big job is never starved by small ones.
+- Following: each member's JSON events give its rank, phase, failure and the
+  job's progress (rounds or steps and the latest metrics). When every member
+  passed `connect` the job is RUNNING.
+- Ending: all members exit 0 -> SUCCEEDED. A member fails -> RESTARTING while
+  `max_restarts` allows, else FAILED, with the first failure that is not a
+  consequence of another (a `MemberLost` names its cause) as the reason. A
+  cancel or the deadline stops the attempt too. The members then get SIGTERM,
+  SIGKILL after the grace; once all are gone the leases of the attempt's keys
+  are revoked and its rendezvous keys deleted, and only then does the job
+  enter its final state (or its next attempt, a new rendezvous round).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
+from coordinator.service.launchers import VANISHED, WorkerLauncher
+from coordinator.service.leadership import Leadership
+from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
+from coordinator.service.states import TRANSITIONS, advance, restarts_left
+from coordinator.service.store import JobNotFound, JobStore
+
+log = logging.getLogger(__name__)
+S = JobState
+PAST_CONNECT = {"connect", "training", "cleaner", "done"}
+
+
+@dataclass(frozen=True)
+class ReconcilerSettings:
+    etcd: str  # the endpoints members are given
+    namespace: str
+    max_workers: int
+    grace: float = 10.0  # seconds between SIGTERM and SIGKILL
+    member_ttl: int = 10
+    tick: float = 0.25
+    progress_interval: float = 0.5  # at most this often a job's progress is written
+
+
+class Reconciler:
+    def __init__(
+        self,
+        etcd: Etcd,
+        store: JobStore,
+        launchers: dict[Launcher, WorkerLauncher],
+        settings: ReconcilerSettings,
+        leadership: Leadership,
+    ) -> None:
+        self.etcd, self.store, self.launchers = etcd, store, launchers
+        self.settings, self.leadership = settings, leadership
+        self.launched = 0  # members started by this replica (for /metrics)
+        self.restarts = 0
+        self._wake = threading.Event()
+        self._offsets: dict[tuple[str, int, int], int] = {}  # (job, attempt, index) -> bytes read
+        self._progress_at: dict[str, float] = {}
+        self._pending_progress: dict[str, dict[str, Any]] = {}  # job -> not yet written
+        self._watch = etcd.watch(store.prefix, self._on_change, start_revision=0, prefix=True)
+
+    def _on_change(self, events: list[WatchEvent]) -> None:
+        self._wake.set()
+
+    def run(self, stop: threading.Event) -> None:
+        """Lead when possible, and reconcile while leading, until `stop`."""
+        while not stop.is_set():
+            try:
+                if not self.leadership.try_to_lead():
+                    self.leadership.wait_for_change(1.0)
+                    continue
+                self.reconcile_once(time.time())
+            except EtcdError as exc:  # etcd away: try again next tick
+                log.warning("reconcile: %s", exc)
+            self._wake.wait(self.settings.tick)
+            self._wake.clear()
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+    # -- one pass -----------------------------------------------------------
+
+    def reconcile_once(self, now: float) -> None:
+        active = [stored for stored in self.store.scan() if not stored.record.state.terminal]
+        pending = []
+        busy = 0
+        for stored in sorted(active, key=lambda s: s.create_revision):
+            record = stored.record
+            if record.state == S.PENDING:
+                if record.cancel_requested_at is not None:
+                    self._cancel_pending(record.id, now)
+                else:
+                    pending.append(stored)
+                continue
+            busy += record.spec.workers
+            try:
+                self._tend(record, now)
+            except JobNotFound:
+                continue
+        free = self.settings.max_workers - busy
+        for stored in sorted(pending, key=lambda s: (-s.record.spec.priority, s.create_revision)):
+            if stored.record.spec.workers > free:
+                break  # strict order: nothing overtakes the head of the queue
+            free -= stored.record.spec.workers
+            self._start_attempt(stored.record, now)
+
+    def _cancel_pending(self, job_id: str, now: float) -> None:
+        def change(record: JobRecord) -> JobRecord | None:
+            if record.state != S.PENDING:
+                return None
+            return advance(record, S.CANCELLED, "cancelled before it started", now)
+
+        self.store.update(job_id, change)
+
+    # -- attempts -------------------------------------------------------------
+
+    def _start_attempt(self, record: JobRecord, now: float) -> None:
+        number = len(record.attempts) + 1
+
+        def change(current: JobRecord) -> JobRecord | None:
+            if current.state not in (S.PENDING, S.RESTARTING) or len(current.attempts) >= number:
+                return None  # another replica got there first
+            if current.cancel_requested_at is not None:
+                return None
+            reason = f"attempt {number}: starting {current.spec.workers} members"
+            started = advance(current, S.STARTING, reason, now)
+            started.attempts = [*current.attempts, Attempt(number=number, started_at=now)]
+            return started
+
+        record = self.store.update(record.id, change)
+        if record.state == S.STARTING and len(record.attempts) == number:
+            if number > 1:
+                self.restarts += 1
+            self._launch_members(record, now)
+
+    def _launch_members(self, record: JobRecord, now: float) -> None:
+        """Start the attempt's members not yet recorded (all of them, or what a previous
+        leader left undone), recording each as soon as it runs."""
+        attempt = record.attempt
+        assert attempt is not None
+        launcher = self.launchers[record.spec.launcher]
+        args = self._worker_args(record, attempt.number)
+        for index in range(len(attempt.members), record.spec.workers):
+            try:
+                member = launcher.start(record.run_id, attempt.number, index, args)
+            except Exception as exc:  # no container engine, an image missing, ...
+                reason = f"could not start member {index}: {exc}"
+                self._stop_attempt(record.id, attempt.number, reason, S.FAILED, now)
+                return
+            self.launched += 1
+            record = self.store.update(record.id, _with_member(attempt.number, member))
+
+    def _worker_args(self, record: JobRecord, attempt: int) -> list[str]:
+        spec = record.spec
+        args = [
+            "--job", record.id, "--world-size", str(spec.workers),
+            "--etcd", self.settings.etcd, "--namespace", self.settings.namespace,
+            "--kind", spec.kind, "--ttl", str(self.settings.member_ttl),
+        ]  # fmt: skip
+        params = dict(spec.params)
+        if spec.kind == "mnist" and attempt > 1:
+            params.setdefault("resume", "true")  # a new attempt continues from the checkpoint
+        for name, value in params.items():
+            args += ["--param", f"{name}={value}"]
+        return args
+
+    # -- following ------------------------------------------------------------
+
+    def _tend(self, record: JobRecord, now: float) -> None:
+        attempt = record.attempt
+        if attempt is None:
+            return
+        if attempt.ended_at is not None:  # RESTARTING, and the failed attempt's members are gone
+            if record.cancel_requested_at is not None:
+                self._advance(record.id, S.CANCELLED, "cancelled by request", now)
+            elif record.spec.deadline_seconds is not None and self._overdue(record, now):
+                reason = f"deadline of {record.spec.deadline_seconds:g}s passed"
+                self._advance(record.id, S.FAILED, reason, now)
+            else:
+                self._start_attempt(record, now)
+            return
+        launcher = self.launchers[record.spec.launcher]
+        if (
+            record.state == S.STARTING
+            and attempt.stopping_since is None
+            and len(attempt.members) < record.spec.workers
+        ):
+            self._launch_members(record, now)  # a predecessor died half-way through
+            record = self.store.get(record.id).record
+            attempt = record.attempt
+            assert attempt is not None
+        members = [self._follow(record.id, attempt.number, m, launcher) for m in attempt.members]
+        progress = self._progress(record)
+        codes = [m.exit_code for m in members]
+        record = self._record_members(record, attempt.number, members, progress, now)
+        attempt = record.attempt
+        assert attempt is not None
+
+        if attempt.stopping_since is not None:
+            if all(code is not None for code in codes):
+                self._finish_attempt(record, now)
+            elif now - attempt.stopping_since > self.settings.grace:
+                for member in members:
+                    if member.exit_code is None:
+                        launcher.kill(member)
+            return
+        complete = len(members) == record.spec.workers
+        if (
+            record.state == S.STARTING
+            and complete
+            and all(m.phase in PAST_CONNECT for m in members)
+        ):  # said even when the job is already over: its history shows it ran
+            self._advance(record.id, S.RUNNING, "every member passed connect", now)
+        if record.cancel_requested_at is not None:
+            self._stop_attempt(record.id, attempt.number, "cancelled by request", S.CANCELLED, now)
+        elif record.spec.deadline_seconds is not None and self._overdue(record, now):
+            reason = f"deadline of {record.spec.deadline_seconds:g}s passed"
+            self._stop_attempt(record.id, attempt.number, reason, S.FAILED, now)
+        elif complete and all(code == 0 for code in codes):
+            self._stop_attempt(record.id, attempt.number, "every member exited 0", S.SUCCEEDED, now)
+        elif any(code not in (None, 0) for code in codes):
+            reason = _root_cause(members)
+            then = S.RESTARTING if restarts_left(record) > 0 else S.FAILED
+            self._stop_attempt(record.id, attempt.number, reason, then, now)
+
+    def _follow(
+        self, job_id: str, attempt: int, member: Member, launcher: WorkerLauncher
+    ) -> Member:
+        """The member with what its new output and its exit code say."""
+        key = (job_id, attempt, member.index)
+        offset = self._offsets.get(key, 0)
+        chunk = launcher.output(member, offset)
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
+        self._offsets[key] = offset + len(complete)
+        update: dict[str, Any] = {}
+        for event in _events(complete):
+            if event.get("rank") is not None:
+                update["rank"] = event["rank"]
+            if event.get("event") == "phase":
+                update["phase"] = event["phase"]
+            elif event.get("event") == "failed":
+                update["failure"] = event
+                update["phase"] = f"failed in {event.get('phase')}"
+            elif event.get("event") == "done":
+                update["phase"] = "done"
+                roster = event.get("roster") or {}
+                for entry in roster.get("members", []):
+                    if entry.get("rank") == event.get("rank"):
+                        update["address"] = f"{entry.get('host')}:{entry.get('port')}"
+                self._note_result(job_id, event.get("result") or {})
+            elif event.get("event") in ("round", "step"):
+                self._note_progress(job_id, event)
+        if member.exit_code is None:
+            update["exit_code"] = launcher.exit_code(member)
+        return member.model_copy(update=update) if update else member
+
+    def _note_progress(self, job_id: str, event: dict[str, Any]) -> None:
+        pending = self._pending_progress.setdefault(job_id, {})
+        if event["event"] == "round":  # xgboost: rounds and the evaluation metrics
+            pending.update(step=event.get("round"), total=event.get("rounds"))
+            pending["metrics"] = event.get("metrics") or {}
+        else:  # mnist trainers: steps and the loss
+            pending.update(step=event.get("clock"), total=event.get("target"))
+            pending["metrics"] = {"loss": event.get("loss")}
+
+    def _note_result(self, job_id: str, result: dict[str, Any]) -> None:
+        found = {k: str(v) for k, v in result.items() if k.endswith("_path") and v}
+        self._pending_progress.setdefault(job_id, {}).setdefault("artifacts", {}).update(found)
+
+    def _progress(self, record: JobRecord) -> dict[str, Any] | None:
+        """What to write about the job's progress now (None: nothing, or not yet)."""
+        pending = self._pending_progress.get(record.id)
+        if not pending:
+            return None
+        due = self._progress_at.get(record.id, 0.0) + self.settings.progress_interval
+        if time.monotonic() < due and "artifacts" not in pending:
+            return None
+        self._progress_at[record.id] = time.monotonic()
+        return self._pending_progress.pop(record.id)
+
+    def _record_members(
+        self,
+        record: JobRecord,
+        attempt: int,
+        members: list[Member],
+        progress: dict[str, Any] | None,
+        now: float,
+    ) -> JobRecord:
+        def change(current: JobRecord) -> JobRecord | None:
+            last = current.attempt
+            if last is None or last.number != attempt:
+                return None
+            updated = current.model_copy(deep=True)
+            ours = {m.index: m for m in members}
+            updated.attempts[-1].members = [ours.get(m.index, m) for m in last.members]
+            if progress:
+                artifacts = progress.get("artifacts") or {}
+                updated.artifacts = {**updated.artifacts, **artifacts}
+                fields = {k: v for k, v in progress.items() if k != "artifacts"}
+                if fields:
+                    updated.progress = updated.progress.model_copy(
+                        update={**fields, "updated_at": now}
+                    )
+            return updated
+
+        return self.store.update(record.id, change)
+
+    # -- ending ---------------------------------------------------------------
+
+    def _stop_attempt(
+        self, job_id: str, attempt: int, reason: str, then: JobState, now: float
+    ) -> None:
+        """Ask the attempt's members to leave; the job moves on once they are gone."""
+
+        def change(record: JobRecord) -> JobRecord | None:
+            last = record.attempt
+            if last is None or last.number != attempt or last.stopping_since is not None:
+                return None
+            updated = record.model_copy(deep=True)
+            if then == S.RESTARTING:  # says so at once; the next attempt waits for the members
+                left = restarts_left(record)
+                updated = advance(updated, S.RESTARTING, f"{reason}; {left} restart(s) left", now)
+            updated.attempts[-1].outcome = reason
+            updated.attempts[-1].stopping_since = now
+            updated.attempts[-1].then = then
+            return updated
+
+        record = self.store.update(job_id, change)
+        last = record.attempt
+        assert last is not None
+        launcher = self.launchers[record.spec.launcher]
+        for member in last.members:
+            if member.exit_code is None:
+                launcher.terminate(member)
+
+    def _finish_attempt(self, record: JobRecord, now: float) -> None:
+        """Every member is gone: clear the attempt's keys, then enter the state it led to."""
+        attempt = record.attempt
+        assert attempt is not None and attempt.then is not None
+        self._clear_rendezvous(record.id)
+
+        def change(current: JobRecord) -> JobRecord | None:
+            last = current.attempt
+            if last is None or last.number != attempt.number or last.ended_at is not None:
+                return None
+            updated = current.model_copy(deep=True)
+            updated.attempts[-1].ended_at = now
+            if attempt.then == S.RESTARTING:
+                return updated  # already RESTARTING; the next tick starts the next attempt
+            return advance(updated, attempt.then, attempt.outcome or "", now)
+
+        self.store.update(record.id, change)
+        for index in range(len(attempt.members)):
+            self._offsets.pop((record.id, attempt.number, index), None)
+
+    def _clear_rendezvous(self, job_id: str) -> None:
+        """Revoke the leases of what the attempt's members left, and their rendezvous keys
+        (a member killed by SIGKILL leaves its keys until its lease would expire)."""
+        prefix = self.etcd.key("jobs", job_id) + "/"
+        kvs, _ = self.etcd.get_prefix(prefix)
+        for lease in {kv.lease for kv in kvs if kv.lease}:
+            with contextlib.suppress(EtcdError):
+                self.etcd.revoke_lease(lease)
+        self.etcd.delete_prefix(prefix + "rendezvous/")
+
+    def _advance(self, job_id: str, state: JobState, reason: str, now: float) -> None:
+        def change(record: JobRecord) -> JobRecord | None:
+            if state not in TRANSITIONS[record.state]:
+                return None
+            return advance(record, state, reason, now)
+
+        self.store.update(job_id, change)
+
+    def _overdue(self, record: JobRecord, now: float) -> bool:
+        first = record.attempts[0].started_at if record.attempts else now
+        return now - first > (record.spec.deadline_seconds or 0)
+
+
+def _with_member(attempt: int, member: Member) -> Callable[[JobRecord], JobRecord | None]:
+    def change(record: JobRecord) -> JobRecord | None:
+        last = record.attempt
+        if last is None or last.number != attempt:
+            return None
+        if any(m.index == member.index for m in last.members):
+            return None
+        updated = record.model_copy(deep=True)
+        updated.attempts[-1].members = sorted([*last.members, member], key=lambda m: m.index)
+        return updated
+
+    return change
+
+
+def _events(output: bytes) -> list[dict[str, Any]]:
+    events = []
+    for line in output.splitlines():
+        if line.startswith(b"{"):
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict) and "event" in event:
+                    events.append(event)
+    return events
+
+
+def _root_cause(members: list[Member]) -> str:
+    """Why the attempt failed: a member's own failure before one that only lost a peer,
+    and a member that died without a word named by its rank."""
+    failures = [m for m in members if m.failure is not None]
+    own = [m for m in failures if m.failure and m.failure.get("error") != "MemberLost"]
+    for member in own:
+        return _describe(member)
+    for member in members:
+        if member.exit_code not in (None, 0) and member.failure is None:
+            return _describe(member)
+    return _describe(failures[0]) if failures else "a member failed"
+
+
+def _describe(member: Member) -> str:
+    who = f"rank {member.rank}" if member.rank is not None else f"member {member.index}"
+    if member.failure is not None:
+        error, message = member.failure.get("error"), member.failure.get("message")
+        return f"{who} failed ({error}): {message}"
+    if member.exit_code == VANISHED:
+        return f"{who} ended without a word (killed?)"
+    signal_number = (member.exit_code or 0) - 128
+    if signal_number > 0:
+        return f"{who} was killed by signal {signal_number} (exit {member.exit_code})"
+    return f"{who} exited {member.exit_code}"

@@ -1,0 +1,108 @@
+"""One replica of the service: the API, and the reconciler when it leads.
+
+`coordinator serve` builds this and runs it under uvicorn. Stopping it stops
+the reconciler and gives up leadership at once (another replica takes over);
+members keep running, to be adopted by whichever replica leads next.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from coordinator.etcd.client import Etcd
+from coordinator.service.api import ApiContext, create_app
+from coordinator.service.auth import Tokens
+from coordinator.service.launchers import WorkerLauncher
+from coordinator.service.launchers.local import LocalLauncher
+from coordinator.service.leadership import Leadership
+from coordinator.service.metrics import ServiceMetrics
+from coordinator.service.model import Launcher
+from coordinator.service.reconciler import Reconciler, ReconcilerSettings
+from coordinator.service.store import JobStore
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    etcd: str  # endpoints, for the service and its members
+    namespace: str
+    data_dir: Path  # member logs and default artifacts
+    max_workers: int
+    grace: float = 10.0
+    member_ttl: int = 10
+    leader_ttl: int = 5
+    tokens: Tokens | None = None
+    # The docker launcher, enabled by an image: its network, the engine's API (None:
+    # DOCKER_HOST or the default socket) and etcd as containers see it (None: `etcd`).
+    docker_image: str | None = None
+    docker_network: str = "coordinator"
+    docker_host: str | None = None
+    docker_etcd: str | None = None
+
+
+class Service:
+    def __init__(self, options: ServiceOptions) -> None:
+        self.options = options
+        os.environ.setdefault("COORDINATOR_ARTIFACTS", str(options.data_dir / "artifacts"))
+        self.etcd = Etcd(options.etcd, namespace=options.namespace)
+        self.store = JobStore(self.etcd)
+        self.launchers: dict[Launcher, WorkerLauncher] = {
+            Launcher.LOCAL: LocalLauncher(options.data_dir / "logs")
+        }
+        if options.docker_image:
+            from coordinator.service.launchers.docker import DockerLauncher
+
+            self.launchers[Launcher.DOCKER] = DockerLauncher(
+                options.docker_image,
+                options.docker_network,
+                options.docker_host,
+                options.docker_etcd or options.etcd,
+            )
+        replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.leadership = Leadership(self.etcd, replica, options.leader_ttl)
+        settings = ReconcilerSettings(
+            etcd=options.etcd,
+            namespace=options.namespace,
+            max_workers=options.max_workers,
+            grace=options.grace,
+            member_ttl=options.member_ttl,
+        )
+        self.reconciler = Reconciler(
+            self.etcd, self.store, self.launchers, settings, self.leadership
+        )
+        metrics = ServiceMetrics(
+            self.store, lambda: (self.reconciler.launched, self.reconciler.restarts)
+        )
+        context = ApiContext(
+            etcd=self.etcd,
+            store=self.store,
+            launchers=self.launchers,
+            max_workers=options.max_workers,
+            metrics=metrics,
+            tokens=options.tokens,
+        )
+        self.app: FastAPI = create_app(context)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self.reconciler.run, args=(self._stop,), daemon=True, name="reconciler"
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def idle(self) -> bool:
+        """No job is live (nothing would miss etcd if it stopped)."""
+        return all(stored.record.state.terminal for stored in self.store.scan())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.reconciler.close()
+        self.leadership.close()
+        self.etcd.close()
