@@ -438,3 +438,42 @@ def test_the_cli_submits_waits_and_mirrors_the_outcome(serve: Callable[..., Serv
     assert listed.returncode == 0 and "cli-ok" in listed.stdout
     missing = cli("status", "nobody")
     assert missing.returncode == 2 and "404" in missing.stderr
+
+
+# -- queue, deadline, metrics -------------------------------------------------------------
+
+
+def test_the_queue_starts_whole_jobs_by_priority_then_arrival(
+    serve: Callable[..., ServiceProc],
+) -> None:
+    service = serve()  # 4 worker slots
+    service.http.post("/v1/jobs", json={"id": "big", "kind": "noop", "workers": 4,
+                                        "params": {"seconds": 4}})  # fmt: skip
+    wait_state(service, "big", {"RUNNING"})
+    for job_id, priority in [("low", 0), ("high", 5), ("later", 5)]:
+        spec = {"id": job_id, "kind": "noop", "workers": 3, "priority": priority}
+        assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    assert service.http.get("/v1/jobs/low").json()["state"] == "PENDING"  # no slots: it waits
+    starts = {}
+    for job_id in ["low", "high", "later"]:
+        record = wait_state(service, job_id, {"SUCCEEDED"}, timeout=120)
+        starts[job_id] = next(c["at"] for c in record["conditions"] if c["state"] == "STARTING")
+    # 3 + 3 > 4 slots: one at a time, the higher priority first, then by arrival.
+    assert starts["high"] < starts["later"] < starts["low"]
+
+
+def test_the_deadline_fails_a_job_and_metrics_count_it(
+    serve: Callable[..., ServiceProc],
+) -> None:
+    service = serve()
+    spec = {"id": "slow", "kind": "noop", "workers": 2, "params": {"seconds": 60},
+            "deadline_seconds": 2}  # fmt: skip
+    service.http.post("/v1/jobs", json=spec)
+    record = wait_state(service, "slow", {"FAILED"}, timeout=30)
+    assert record["conditions"][-1]["reason"] == "deadline of 2s passed"
+    assert no_member_runs(record)
+    metrics = service.http.get("/metrics").text
+    assert 'coordinator_jobs{state="FAILED"} 1.0' in metrics
+    assert 'coordinator_submissions_total{outcome="created"} 1.0' in metrics
+    assert "coordinator_member_launches_total 2.0" in metrics
+    assert service.http.get("/readyz").json() == {"status": "ready"}
