@@ -477,3 +477,22 @@ def test_the_deadline_fails_a_job_and_metrics_count_it(
     assert 'coordinator_submissions_total{outcome="created"} 1.0' in metrics
     assert "coordinator_member_launches_total 2.0" in metrics
     assert service.http.get("/readyz").json() == {"status": "ready"}
+
+
+def test_an_mnist_job_restarted_after_a_trainer_dies_resumes_from_its_checkpoint(
+    serve: Callable[..., ServiceProc],
+) -> None:
+    service = serve()
+    spec = {"id": "digits", "kind": "mnist", "workers": 3, "max_restarts": 1,
+            "params": {"epochs": 3, "checkpoint_every": 20, "eval_seconds": 3600}}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201, "submit"
+    running = wait_state(service, "digits", {"RUNNING"}, timeout=120)
+    checkpoints = service.data / "artifacts" / "digits" / "checkpoint"
+    wait_until(lambda: any(checkpoints.glob("server-*.pt")), 120, "a server checkpoint")
+    trainer = next(m for m in running["attempts"][0]["members"] if m["rank"] == 2)
+    os.kill(trainer["pid"], signal.SIGKILL)
+    record = wait_state(service, "digits", {"SUCCEEDED", "FAILED"}, timeout=240)
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    assert len(record["attempts"]) == 2 and "rank 2" in record["attempts"][0]["outcome"]
+    summary = json.loads((service.data / "artifacts" / "digits" / "summary.json").read_text())
+    assert summary["resumed_from_version"]["0"] >= 20  # not a fresh start
