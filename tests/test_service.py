@@ -281,8 +281,10 @@ def test_cancel_stops_the_members_within_the_grace_and_leaves_no_keys(
     assert no_member_runs(record)
     assert etcd.count_prefix(etcd.key("jobs", "long", "rendezvous") + "/") == 0
     assert record["conditions"][-1]["reason"] == "cancelled by request"
+    assert list(service.data.glob("logs/long-*/attempt-1/member-*.log"))
     assert service.http.delete("/v1/jobs/long").status_code == 204
     assert service.http.get("/v1/jobs/long").status_code == 404
+    assert not list(service.data.glob("logs/long-*"))  # its logs are gone with it
 
 
 def test_a_live_job_cannot_be_deleted(serve: Callable[..., ServiceProc]) -> None:

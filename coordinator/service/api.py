@@ -174,7 +174,8 @@ def create_app(context: ApiContext) -> FastAPI:
         f"{API}/jobs/{{job_id}}", dependencies=submitter, status_code=204, responses={404: {}}
     )
     def delete(job_id: str) -> Response:
-        """Forget a finished job: its record and every key it left (409 while it is live)."""
+        """Forget a finished job: its record, every key it left, and its members' logs or
+        containers (409 while it is live)."""
         try:
             stored = store.get(job_id)
         except JobNotFound:
@@ -184,6 +185,9 @@ def create_app(context: ApiContext) -> FastAPI:
         if not store.delete(stored):
             raise HTTPException(409, f"job {job_id!r} changed meanwhile; try again")
         context.etcd.delete_prefix(context.etcd.key("jobs", job_id) + "/")
+        launcher = context.launchers.get(stored.record.spec.launcher)
+        if launcher is not None:  # its logs, or its stopped containers
+            launcher.remove(stored.record.run_id)
         return Response(status_code=204)
 
     # -- following --------------------------------------------------------------

@@ -37,3 +37,7 @@ class WorkerLauncher(Protocol):
     def output(self, member: Member, offset: int) -> bytes:
         """The member's output (stdout and stderr, interleaved) from byte `offset` on."""
         ...
+
+    def remove(self, run_id: str) -> int:
+        """Forget a finished submission: its members' logs or containers; how many."""
+        ...

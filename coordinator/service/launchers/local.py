@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,6 +85,12 @@ class LocalLauncher:
                 return log.read()
         except FileNotFoundError:
             return b""
+
+    def remove(self, run_id: str) -> int:
+        folder = self.logs / run_id
+        logs = len(list(folder.glob("*/member-*.log")))
+        shutil.rmtree(folder, ignore_errors=True)
+        return logs
 
     def _signal(self, member: Member, signum: int) -> None:
         if member.pid is not None and self._alive(member):

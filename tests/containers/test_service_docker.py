@@ -1,0 +1,260 @@
+"""The REST service's docker launcher with real containers on podman.
+
+etcd runs as a container on a podman network: the service (on the host) reaches it
+at its address there, the members (containers on that network) by its name, which
+`--docker-etcd` gives them in place of the service's own endpoint.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from docker.models.containers import Container
+
+from coordinator.etcd.client import Etcd
+from coordinator.service.launchers import VANISHED
+from coordinator.service.launchers.docker import MANAGED_LABEL, RUN_LABEL, DockerLauncher
+from coordinator.worker import EXIT_INTERRUPTED
+from tests.conftest import wait_until
+from tests.containers.harness import LABEL, Images, PodmanService
+
+pytestmark = pytest.mark.containers
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+class Cluster:
+    """A test network (labelled, removed afterwards) with an etcd container on it."""
+
+    def __init__(self, podman: PodmanService, images: Images) -> None:
+        self.client = podman.client
+        self.prefix = f"ectest{uuid.uuid4().hex[:8]}"
+        self.network = self.client.networks.create(
+            self.prefix, driver="bridge", labels={LABEL: "1"}
+        )
+        self.etcd_name = f"{self.prefix}-etcd"
+        self.etcd: Container = self.client.containers.run(
+            images.etcd,
+            [
+                "/usr/local/bin/etcd", "--name=etcd", "--data-dir=/var/lib/etcd",
+                "--listen-client-urls=http://0.0.0.0:2379",
+                f"--advertise-client-urls=http://{self.etcd_name}:2379",
+            ],
+            name=self.etcd_name, network=self.prefix, detach=True, labels={LABEL: "1"},
+        )  # fmt: skip
+        self.etcd.reload()
+        address = self.etcd.attrs["NetworkSettings"]["Networks"][self.prefix]["IPAddress"]
+        self.host_endpoint = f"{address}:2379"  # the host reaches container addresses
+        self.container_endpoint = f"{self.etcd_name}:2379"  # containers resolve names
+        Etcd(self.host_endpoint, connect_timeout=30).close()  # up and answering
+
+    def job_id(self, kind: str) -> str:
+        """A job id of this test's own: its containers are found by it afterwards."""
+        return f"{kind}-{self.prefix}"
+
+    def members(self, run_id: str | None = None) -> list[Container]:
+        """The product-labelled containers of this test's jobs (or of one submission)."""
+        found = self.client.containers.list(all=True, filters={"label": RUN_LABEL})
+        mine = [c for c in found if self.prefix in c.labels[RUN_LABEL]]
+        return [c for c in mine if run_id is None or c.labels[RUN_LABEL] == run_id]
+
+    def close(self) -> None:
+        for container in [*self.members(), self.etcd]:
+            container.remove(force=True, v=True)
+        for network in self.client.networks.list():  # ours, and the one a launcher made
+            if network.name.startswith(self.prefix):
+                network.remove()
+
+
+@pytest.fixture
+def cluster(podman_service: PodmanService, images: Images) -> Iterator[Cluster]:
+    cluster = Cluster(podman_service, images)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServiceProc:
+    """`coordinator serve` as a process of its own, and an HTTP client for it."""
+
+    def __init__(self, data: Path, args: list[str]) -> None:
+        self.port = free_port()
+        self.log_path = data.with_suffix(".log")
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", "serve", "--port", str(self.port),
+             "--data-dir", str(data), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+
+        def answers() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve exited {self.process.returncode}: {self.output()}")
+            try:
+                return self.http.get("/healthz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(answers, 60, "the service to answer")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        response = self.http.get(f"/v1/jobs/{job_id}")
+        response.raise_for_status()
+        return response.json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.http.close()
+        self.log.close()
+
+
+@pytest.mark.timeout(1800)  # the first to need the worker image may build it (minutes)
+def test_a_docker_job_runs_its_members_as_containers_on_the_network(
+    podman_service: PodmanService, images: Images, cluster: Cluster, tmp_path: Path
+) -> None:
+    """An xgboost job with the docker launcher: two containers on the network, reaching
+    etcd by name; ranks, container ids, exit codes and logs recorded; a second submit of
+    the same spec starts nothing; `remove` deletes the submission's containers."""
+    image = images.worker  # built here if need be: not part of the job's time
+    started = time.monotonic()
+    service = ServiceProc(
+        tmp_path / "data",
+        [
+            "--etcd", cluster.host_endpoint, "--namespace", f"/{cluster.prefix}",
+            "--max-workers", "4", "--grace", "3", "--member-ttl", "5",
+            "--docker-image", image, "--docker-host", podman_service.url,
+            "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+        ],
+    )  # fmt: skip
+    try:
+        job = cluster.job_id("xgb")
+        spec = {
+            "id": job, "kind": "xgboost", "workers": 2, "launcher": "docker",
+            "params": {"rounds": 5},
+        }  # fmt: skip
+        response = service.http.post("/v1/jobs", json=spec)
+        assert response.status_code == 201, response.text
+        record = wait_until(
+            lambda: (r := service.job(job))["state"] in TERMINAL and r,
+            300,
+            "the docker job to end",
+        )
+        assert record["state"] == "SUCCEEDED", (record, service.output())
+        run_id = f"{job}-{record['uid'][:8]}"
+
+        members = record["attempts"][-1]["members"]
+        assert sorted(m["rank"] for m in members) == [0, 1]
+        containers = {c.id: c for c in cluster.members(run_id)}
+        assert len(containers) == 2
+        subnet = ipaddress.ip_network(cluster.network.attrs["IPAM"]["Config"][0]["Subnet"])
+        for member in members:
+            assert member["exit_code"] == 0
+            container = containers[member["container"]]
+            assert container.name == f"{run_id}-a1-m{member['index']}"
+            assert container.attrs["State"]["ExitCode"] == 0
+            assert cluster.prefix in container.attrs["NetworkSettings"]["Networks"]
+            # It advertised its own address on the job's network.
+            assert ipaddress.ip_address(member["address"].rpartition(":")[0]) in subnet
+
+        logs = service.http.get(f"/v1/jobs/{job}/logs")
+        assert logs.status_code == 200
+        for rank in (0, 1):
+            events = [
+                json.loads(line.removeprefix(f"[rank {rank}] "))
+                for line in logs.text.splitlines()
+                if line.startswith(f"[rank {rank}] {{")
+            ]
+            assert any(e["event"] == "done" and e["rank"] == rank for e in events), logs.text
+            assert [e["round"] for e in events if e["event"] == "round"] == [1, 2, 3, 4, 5]
+
+        again = service.http.post("/v1/jobs", json=spec)
+        assert again.status_code == 200 and again.json()["uid"] == record["uid"]
+        assert service.job(job)["state"] == "SUCCEEDED"
+        assert {c.id for c in cluster.members()} == set(containers), "no new container"
+
+        # A launcher asked again for a member (a new leader) finds it, starts none.
+        launcher = DockerLauncher(images.worker, cluster.prefix, podman_service.url, "x:2379")
+        first = next(m for m in members if m["index"] == 0)
+        assert launcher.start(run_id, 1, 0, []).container == first["container"]
+        assert {c.id for c in cluster.members()} == set(containers)
+
+        assert launcher.remove(run_id) == 2
+        assert cluster.members(run_id) == []
+        print(f"docker job: {time.monotonic() - started:.1f}s")
+    finally:
+        service.stop()
+
+
+@pytest.mark.timeout(300)
+def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containers(
+    podman_service: PodmanService, images: Images, cluster: Cluster
+) -> None:
+    """The launcher directly: a missing network is created (labelled), SIGTERM ends a
+    member cleanly (130, it says why), output reads from an offset, a removed
+    container is VANISHED, and stopping what is gone is a no-op."""
+    network = f"{cluster.prefix}-own"
+    launcher = DockerLauncher(
+        images.worker, network, podman_service.url, cluster.container_endpoint
+    )
+    launcher.ensure_network()
+    created = podman_service.client.networks.get(network)
+    assert created.attrs["Labels"][MANAGED_LABEL] == "true"
+    created.connect(cluster.etcd)  # so members on it reach etcd by name
+    job = cluster.job_id("noop")
+    args = [
+        "--job", job, "--world-size", "1", "--etcd", "127.0.0.1:2379",  # replaced
+        "--namespace", f"/{cluster.prefix}", "--kind", "noop", "--param", "seconds=600",
+    ]  # fmt: skip
+    member = launcher.start(f"{job}-run", 1, 0, args)
+    assert launcher.start(f"{job}-run", 1, 0, args) == member
+
+    def output() -> str:
+        return launcher.output(member, 0).decode(errors="replace")
+
+    def holding() -> bool:  # noop holds `seconds` after connect
+        return '"phase": "connect"' in output() or launcher.exit_code(member) is not None
+
+    wait_until(holding, 60, "the member past connect")
+    assert launcher.exit_code(member) is None, output()
+    whole = launcher.output(member, 0)
+    assert launcher.output(member, 10) == whole[10:]
+    launcher.terminate(member)
+    code = wait_until(
+        lambda: (c := launcher.exit_code(member)) is not None and str(c), 20, "SIGTERM to end it"
+    )
+    assert int(code) == EXIT_INTERRUPTED, output()
+    assert "SIGTERM" in output()
+    launcher.kill(member)  # exited: nothing to do
+    assert launcher.remove(f"{job}-run") == 1
+    assert launcher.exit_code(member) == VANISHED
+    launcher.terminate(member)
+    launcher.kill(member)
+    assert launcher.output(member, 0) == b""
