@@ -29,6 +29,7 @@ from coordinator.service.store import JobConflict, JobNotFound, JobStore
 
 API = "/v1"
 FOLLOW_POLL_SECONDS = 0.25  # how often a followed log is read again (no file events)
+MAX_REVISION = 2**63 - 2  # etcd's revisions are int64, and a watch starts one after
 
 
 @dataclass
@@ -41,9 +42,9 @@ class ApiContext:
     tokens: Tokens | None = None  # None: no auth (loopback only, or --insecure)
 
 
-def invalid(field: list[str | int], message: str) -> HTTPException:
+def invalid(field: list[str | int], message: str, where: str = "body") -> HTTPException:
     """A 422 in FastAPI's own shape, naming the field."""
-    detail = [{"loc": ["body", *field], "msg": message, "type": "value_error"}]
+    detail = [{"loc": [where, *field], "msg": message, "type": "value_error"}]
     return HTTPException(status_code=422, detail=detail)
 
 
@@ -100,7 +101,11 @@ def create_app(context: ApiContext) -> FastAPI:
         f"{API}/jobs",
         dependencies=submitter,
         status_code=201,
-        responses={200: {"model": JobRecord}, 409: {}, 422: {}},
+        responses={
+            200: {"model": JobRecord, "description": "the same job, submitted before"},
+            400: {"description": "the body is not JSON"},
+            409: {"description": "the id is taken by a job with another spec"},
+        },
     )
     def submit(spec: JobSpec, response: Response) -> JobRecord:
         """Submit a job. Safe to retry: the same id with the same spec gives the same job
@@ -132,7 +137,7 @@ def create_app(context: ApiContext) -> FastAPI:
         for item in label or []:
             key, sep, value = item.partition("=")
             if not sep:
-                raise HTTPException(422, f"label {item!r}: expected key=value")
+                raise invalid(["label"], f"label {item!r}: expected key=value", where="query")
             wanted[key] = value
 
         def keep(record: JobRecord) -> bool:
@@ -200,7 +205,7 @@ def create_app(context: ApiContext) -> FastAPI:
     )
     async def events(
         job_id: str,
-        last_event_id: Annotated[int | None, Header(ge=0)] = None,
+        last_event_id: Annotated[int | None, Header(ge=0, le=MAX_REVISION)] = None,
     ) -> EventSourceResponse:
         """Server-Sent Events: the job's record at each change, `id` its etcd revision.
         Reconnecting with `Last-Event-ID` resumes after that revision: nothing lost, nothing
