@@ -71,6 +71,7 @@ class WatchEvent:
     value: bytes
     prev_value: bytes
     revision: int
+    create_revision: int = 0  # of the key (0 for a delete)
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
@@ -274,7 +275,14 @@ class Watch:
                 kv, prev = event._event.kv, event._event.prev_kv
                 kind: Literal["put", "delete"] = "delete" if event._event.type else "put"
                 events.append(
-                    WatchEvent(kind, kv.key.decode(), kv.value, prev.value, kv.mod_revision)
+                    WatchEvent(
+                        kind,
+                        kv.key.decode(),
+                        kv.value,
+                        prev.value,
+                        kv.mod_revision,
+                        kv.create_revision,
+                    )
                 )
             if not events:
                 return
@@ -534,11 +542,12 @@ class Etcd:
 
     def replace(
         self, key: str, value: bytes | str, mod_revision: int
-    ) -> tuple[bool, KeyValue | None]:
+    ) -> tuple[bool, KeyValue | None, int]:
         """Write `key` only if it is still at `mod_revision` (compare-and-swap).
 
         Returns (written, the key as someone else left it: None when it is gone
-        or when the write succeeded).
+        or when the write succeeded, the revision the request was answered at:
+        the write's own when it succeeded).
         """
         request = etcdrpc.TxnRequest(
             compare=[
@@ -557,10 +566,29 @@ class Etcd:
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))],
         )
         response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        revision = response.header.revision
         if response.succeeded:
-            return True, None
+            return True, None, revision
         kvs = response.responses[0].response_range.kvs
-        return False, (_kv(kvs[0]) if kvs else None)
+        return False, (_kv(kvs[0]) if kvs else None), revision
+
+    def delete_if(self, key: str, mod_revision: int) -> tuple[bool, int]:
+        """Delete `key` only if it is still at `mod_revision`; (deleted, the revision)."""
+        request = etcdrpc.TxnRequest(
+            compare=[
+                etcdrpc.Compare(
+                    key=key.encode(),
+                    result=etcdrpc.Compare.EQUAL,
+                    target=etcdrpc.Compare.MOD,
+                    mod_revision=mod_revision,
+                )
+            ],
+            success=[
+                etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
+            ],
+        )
+        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        return response.succeeded, response.header.revision
 
     def page(self, prefix: str, after: str | None, limit: int) -> tuple[list[KeyValue], bool]:
         """Up to `limit` keys under `prefix` that sort after `after`, and whether more follow."""

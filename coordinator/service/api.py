@@ -71,8 +71,8 @@ def create_app(context: ApiContext) -> FastAPI:
     async def etcd_down(request: Request, exc: EtcdError) -> JSONResponse:
         return JSONResponse({"detail": f"etcd is unavailable: {exc}"}, status_code=503)
 
-    def role(needed: Role) -> Callable[..., None]:
-        def check(authorization: Annotated[str | None, Header()] = None) -> None:
+    def role(needed: Role) -> Callable[..., Awaitable[None]]:
+        async def check(authorization: Annotated[str | None, Header()] = None) -> None:
             if context.tokens is None:
                 return
             scheme, _, token = (authorization or "").partition(" ")
@@ -150,9 +150,16 @@ def create_app(context: ApiContext) -> FastAPI:
         jobs, token = store.page(keep, limit, page_token)
         return JobList(jobs=jobs, next_page_token=token)
 
-    @app.get(f"{API}/jobs/{{job_id}}", dependencies=reader, responses={404: {}})
-    def get_job(job_id: str) -> JobRecord:
-        return found(job_id)
+    @app.get(
+        f"{API}/jobs/{{job_id}}",
+        dependencies=reader,
+        response_model=JobRecord,
+        responses={404: {}},
+    )
+    async def get_job(job_id: str) -> Response:
+        """The job's record, as stored (from this replica's mirror of the records)."""
+        stored = store.cached(job_id) or await asyncio.to_thread(_stored_or_404, store, job_id)
+        return Response(stored.raw, media_type="application/json")
 
     @app.post(
         f"{API}/jobs/{{job_id}}/cancel",
@@ -241,7 +248,7 @@ def create_app(context: ApiContext) -> FastAPI:
     # -- health -------------------------------------------------------------------
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", responses={503: {}})

@@ -51,7 +51,7 @@ class Service:
         self.options = options
         os.environ.setdefault("COORDINATOR_ARTIFACTS", str(options.data_dir / "artifacts"))
         self.etcd = Etcd(options.etcd, namespace=options.namespace)
-        self.store = JobStore(self.etcd)
+        self.store = JobStore(self.etcd, mirror=True)
         self.launchers: dict[Launcher, WorkerLauncher] = {
             Launcher.LOCAL: LocalLauncher(options.data_dir / "logs")
         }
@@ -105,4 +105,5 @@ class Service:
         self._thread.join(10)
         self.reconciler.close()
         self.leadership.close()
+        self.store.close()
         self.etcd.close()
