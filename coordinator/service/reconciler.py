@@ -88,6 +88,8 @@ class Reconciler:
                 self.reconcile_once(time.time())
             except EtcdError as exc:  # etcd away: try again next tick
                 log.warning("reconcile: %s", exc)
+            except Exception:  # a bug must not stop every job's progress: log it, go on
+                log.exception("reconcile failed; trying again next tick")
             self._wake.wait(self.settings.tick)
             self._wake.clear()
 
