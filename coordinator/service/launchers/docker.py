@@ -19,8 +19,8 @@ listens on loopback only, so docker jobs need an etcd of their own (`--etcd`).
 
 Containers are kept after they exit: their exit code and output are what the
 job record and `GET .../logs` read, for as long as the record lives. `remove(run_id)`
-deletes a submission's containers (for the API's DELETE); nothing else removes
-them, so `docker ps -a --filter label=etcd-coordinator.run` lists what is left.
+deletes a submission's containers when its record is deleted (`DELETE /v1/jobs/{id}`);
+`docker ps -a --filter label=etcd-coordinator.run` lists what is left.
 
 Engine errors while following (the engine restarting, a slow socket) never escape
 `exit_code`, `output`, `terminate` or `kill`: the reconciler asks again on its next
