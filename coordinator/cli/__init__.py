@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from coordinator.cli import client, cluster, members, serve, simulate
+from coordinator.cli import agent, client, cluster, members, serve, simulate
 
 __all__ = ["app"]
 
@@ -23,6 +23,7 @@ app.command("exit-codes")(cluster.exit_codes)
 app.command("k8s")(cluster.k8s_manifests)
 app.command("simulate")(simulate.simulate_barriers)
 app.command("serve")(serve.serve)
+app.command("agent")(agent.agent)
 app.command("submit")(client.submit)
 app.command("jobs")(client.jobs)
 app.command("status")(client.status)

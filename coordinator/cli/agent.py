@@ -1,0 +1,79 @@
+"""`coordinator agent`: run the members the service assigns to this host."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from coordinator.cli.options import EtcdOption, NamespaceOption, console
+
+
+def agent(
+    slots: Annotated[int, typer.Option(min=1, help="members this host runs at once")] = 2,
+    agent_id: Annotated[
+        str | None, typer.Option("--id", help="this agent's id, unique in the namespace [host]")
+    ] = None,
+    label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE (repeat)")] = None,
+    etcd: EtcdOption = None,
+    namespace: NamespaceOption = "/coordinator",
+    data_dir: Annotated[Path, typer.Option(help="members' output")] = Path("agent-data"),
+    host: Annotated[str, typer.Option(help="address the service reaches this agent at")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port of the output server")] = 0,
+    ttl: Annotated[
+        int, typer.Option(min=2, help="lease TTL: a dead agent is noticed within it")
+    ] = 10,
+    drain_seconds: Annotated[
+        float, typer.Option(min=0, help="on SIGTERM, how long members may finish before SIGTERM")
+    ] = 30.0,
+) -> None:
+    """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
+    from coordinator.etcd.client import Etcd, EtcdError
+    from coordinator.service.agent import Agent, AgentOptions, AgentTaken
+
+    labels = {}
+    for item in label or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+        labels[key] = value
+    options = AgentOptions(
+        agent_id=agent_id or socket.gethostname(),
+        slots=slots,
+        data_dir=data_dir.absolute(),
+        labels=labels,
+        host=host,
+        port=port,
+        ttl=ttl,
+        drain_seconds=drain_seconds,
+    )
+    try:
+        client = Etcd(etcd or "127.0.0.1:2379", namespace=namespace)
+    except EtcdError as exc:
+        console.print(f"[red]cannot reach etcd: {exc}[/red]")
+        raise typer.Exit(3) from None
+    try:
+        running = Agent(client, options)
+    except AgentTaken as exc:
+        console.print(f"[red]{exc}[/red]")
+        client.close()
+        raise typer.Exit(2) from None
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, on_sigterm)
+    console.print(f"agent {options.agent_id}: {slots} slots, output at {running.address}")
+    try:
+        running.run(stop)
+    finally:
+        client.close()

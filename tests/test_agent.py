@@ -1,0 +1,113 @@
+"""The agent with a real etcd and real member processes: registration, assignments, drain."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.server import EmbeddedEtcd
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.one_etcd
+
+
+class AgentProc:
+    def __init__(self, endpoint: str, namespace: str, data: Path, *extra: str) -> None:
+        args = [
+            sys.executable, "-m", "coordinator", "agent", "--etcd", endpoint,
+            "--namespace", namespace, "--data-dir", str(data), "--ttl", "2", *extra,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.communicate(timeout=30)
+
+
+@pytest.fixture
+def agents(etcd_server: EmbeddedEtcd, namespace: str, tmp_path: Path) -> Iterator[Any]:
+    started: list[AgentProc] = []
+
+    def start(*extra: str) -> AgentProc:
+        agent = AgentProc(etcd_server.endpoint, namespace, tmp_path / f"a{len(started)}", *extra)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.stop()
+
+
+def registered(etcd: Etcd, agent_id: str) -> dict[str, Any] | None:
+    kv = etcd.get(etcd.key("agents", agent_id))
+    return json.loads(kv.value) if kv else None
+
+
+def assign(etcd: Etcd, agent_id: str, name: str, args: list[str]) -> None:
+    run_id, attempt, index = name.rsplit("-a", 1)[0], 1, int(name.rsplit("-m", 1)[1])
+    body = {"run_id": run_id, "attempt": attempt, "index": index, "worker_args": args}
+    etcd.put(etcd.key("assignments", agent_id, name), json.dumps(body))
+
+
+def test_an_agent_registers_and_a_second_with_its_id_is_refused(agents: Any, etcd: Etcd) -> None:
+    first = agents("--id", "host-a", "--slots", "3", "--label", "zone=z1")
+    record = wait_until(lambda: registered(etcd, "host-a"), 30, "the agent to register")
+    assert record["slots"] == 3 and record["labels"] == {"zone": "z1"}
+    second = agents("--id", "host-a")
+    assert second.process.wait(30) == 2
+    assert b"registered by another live agent" in second.process.communicate()[1]
+    assert registered(etcd, "host-a")["pid"] == first.process.pid  # type: ignore[index]
+
+
+def test_assigned_members_run_report_and_serve_their_output(
+    agents: Any, etcd: Etcd, etcd_server: EmbeddedEtcd
+) -> None:
+    agent = agents("--id", "host-b", "--slots", "2")
+    record = wait_until(lambda: registered(etcd, "host-b"), 30, "the agent to register")
+    worker = ["--job", "viaagent", "--world-size", "2", "--etcd", etcd_server.endpoint,
+              "--namespace", etcd.namespace]  # fmt: skip
+    names = ["viaagent-0123-a1-m0", "viaagent-0123-a1-m1"]
+    for name in names:
+        assign(etcd, "host-b", name, worker)
+
+    def reports() -> list[dict[str, Any]] | None:
+        found = [etcd.get(etcd.key("members", name)) for name in names]
+        states = [json.loads(kv.value) for kv in found if kv is not None]
+        return states if len(states) == 2 and all(s["state"] == "exited" for s in states) else None
+
+    states = wait_until(reports, 60, "both members to end")
+    assert [s["exit_code"] for s in states] == [0, 0]
+    output = httpx.get(f"http://{record['address']}/members/{names[1]}/output").content
+    assert b'"event": "done"' in output
+    tail = httpx.get(f"http://{record['address']}/members/{names[1]}/output?offset=10").content
+    assert tail == output[10:]
+    assert httpx.get(f"http://{record['address']}/members/nobody/output").status_code == 404
+    agent.process.send_signal(signal.SIGTERM)  # nothing runs: it leaves at once
+    assert agent.process.wait(30) == 0
+    assert registered(etcd, "host-b") is None
+
+
+def test_sigterm_drains_a_running_member_and_deregisters_first(
+    agents: Any, etcd: Etcd, etcd_server: EmbeddedEtcd
+) -> None:
+    agent = agents("--id", "host-c", "--slots", "1", "--drain-seconds", "1")
+    wait_until(lambda: registered(etcd, "host-c"), 30, "the agent to register")
+    worker = ["--job", "drained", "--world-size", "1", "--etcd", etcd_server.endpoint,
+              "--namespace", etcd.namespace, "--param", "seconds=60"]  # fmt: skip
+    assign(etcd, "host-c", "drained-0123-a1-m0", worker)
+    member = etcd.key("members", "drained-0123-a1-m0")
+    wait_until(lambda: etcd.get(member), 30, "the member to run")
+    agent.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: registered(etcd, "host-c") is None, 10, "the agent to deregister")
+    assert agent.process.wait(30) == 0  # the member got SIGTERM after 1 s, and left
+    assert etcd.get(member) is None  # its report went with the agent's lease
