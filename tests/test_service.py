@@ -6,6 +6,7 @@ also on failure (members are found from the pidfiles in the data directories).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,9 +48,11 @@ class ServiceProc:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
             sys.executable, "-m", "coordinator", "serve", "--port", str(self.port),
-            "--etcd", endpoint, "--namespace", namespace, "--data-dir", str(data),
+            "--namespace", namespace, "--data-dir", str(data),
             "--max-workers", "4", "--grace", "3", "--member-ttl", "2", *extra,
         ]  # fmt: skip
+        if endpoint:  # else the service's own etcd, in `data`
+            args += ["--etcd", endpoint]
         self.log = open(data.with_suffix(".log"), "ab")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=30)
@@ -498,3 +501,32 @@ def test_an_mnist_job_restarted_after_a_trainer_dies_resumes_from_its_checkpoint
     assert len(record["attempts"]) == 2 and "rank 2" in record["attempts"][0]["outcome"]
     summary = json.loads((service.data / "artifacts" / "digits" / "summary.json").read_text())
     assert summary["resumed_from_version"]["0"] >= 20  # not a fresh start
+
+
+def test_the_embedded_etcd_outlives_a_killed_service_and_is_found_again(tmp_path: Path) -> None:
+    """Without --etcd: the service's own etcd keeps the jobs and the members' rendezvous
+    while the service is SIGKILLed; the restarted service finds it and finishes the job."""
+    data = tmp_path / "own"
+    data.mkdir()
+    services: list[ServiceProc] = []
+    try:
+        first = ServiceProc("", "/coordinator", data)
+        services.append(first.ready())
+        first.http.post("/v1/jobs", json={"id": "kept", "kind": "noop", "workers": 2,
+                                          "params": {"seconds": 4}})  # fmt: skip
+        wait_state(first, "kept", {"RUNNING"})
+        endpoint = json.loads((data / "etcd.json").read_text())["endpoint"]
+        first.kill()
+        second = ServiceProc("", "/coordinator", data)
+        services.append(second.ready())
+        assert json.loads((data / "etcd.json").read_text())["endpoint"] == endpoint
+        record = wait_state(second, "kept", {"SUCCEEDED"}, timeout=60)
+        assert len(record["attempts"]) == 1
+    finally:
+        for service in services:
+            service.stop()
+        kill_members(data)
+        state = data / "etcd.json"
+        if state.exists():  # the service leaves it up while jobs run: stop it here
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(json.loads(state.read_text())["pid"]).kill()
