@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.options import EtcdOption, NamespaceOption, console
+from coordinator.cli.options import EtcdOption, NamespaceOption, console, parse_labels
 
 
 def agent(
@@ -38,12 +38,7 @@ def agent(
     from coordinator.etcd.client import Etcd, EtcdError
     from coordinator.service.agent import Agent, AgentOptions, AgentTaken
 
-    labels = {}
-    for item in label or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
-        labels[key] = value
+    labels = parse_labels(label)
     options = AgentOptions(
         agent_id=agent_id or socket.gethostname(),
         slots=slots,

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.cli.options import JobKind, ParamOption, parse_param_option
+from coordinator.cli.options import JobKind, ParamOption, parse_labels, parse_param_option
 
 out = Console()
 err = Console(stderr=True)
@@ -95,16 +95,6 @@ def _detail(response: httpx.Response) -> str:
     return str(detail)
 
 
-def _labels(items: list[str] | None) -> dict[str, str]:
-    labels = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
-        labels[key] = value
-    return labels
-
-
 def submit(
     kind: Annotated[JobKind, typer.Argument(help="job kind")],  # type: ignore[valid-type]
     workers: Annotated[int, typer.Option(min=1, help="number of members")] = 2,
@@ -126,7 +116,7 @@ def submit(
         "params": parse_param_option(param),
         "max_restarts": max_restarts,
         "priority": priority,
-        "labels": _labels(label),
+        "labels": parse_labels(label),
         "launcher": launcher,
     }
     if job_id:

@@ -63,3 +63,14 @@ def parse_param_option(param: list[str] | None) -> dict[str, str]:
         return parse_params(param or [])
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--param") from None
+
+
+def parse_labels(items: list[str] | None) -> dict[str, str]:
+    """`--label KEY=VALUE` options as a dict; a malformed one is a usage error."""
+    labels = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+        labels[key] = value
+    return labels

@@ -550,14 +550,7 @@ class Etcd:
         the write's own when it succeeded).
         """
         request = etcdrpc.TxnRequest(
-            compare=[
-                etcdrpc.Compare(
-                    key=key.encode(),
-                    result=etcdrpc.Compare.EQUAL,
-                    target=etcdrpc.Compare.MOD,
-                    mod_revision=mod_revision,
-                )
-            ],
+            compare=[_unchanged(key, mod_revision)],
             success=[
                 etcdrpc.RequestOp(
                     request_put=etcdrpc.PutRequest(key=key.encode(), value=_bytes(value))
@@ -575,14 +568,7 @@ class Etcd:
     def delete_if(self, key: str, mod_revision: int) -> tuple[bool, int]:
         """Delete `key` only if it is still at `mod_revision`; (deleted, the revision)."""
         request = etcdrpc.TxnRequest(
-            compare=[
-                etcdrpc.Compare(
-                    key=key.encode(),
-                    result=etcdrpc.Compare.EQUAL,
-                    target=etcdrpc.Compare.MOD,
-                    mod_revision=mod_revision,
-                )
-            ],
+            compare=[_unchanged(key, mod_revision)],
             success=[
                 etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
             ],
@@ -710,6 +696,16 @@ class Etcd:
         """Deliver changes of `key` (or every key under it) from `start_revision` on."""
         options = {"prefix": prefix, "only_deletes": only_deletes, "prev_kv": prev_kv}
         return Watch(self, key, callback, start_revision, **options)
+
+
+def _unchanged(key: str, mod_revision: int) -> etcdrpc.Compare:
+    """The condition that `key` is still at `mod_revision` (0: that it does not exist)."""
+    return etcdrpc.Compare(
+        key=key.encode(),
+        result=etcdrpc.Compare.EQUAL,
+        target=etcdrpc.Compare.MOD,
+        mod_revision=mod_revision,
+    )
 
 
 def _bytes(value: bytes | str) -> bytes:
