@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
@@ -47,8 +47,7 @@ class Api:
             err.print(f"[red]cannot reach {self.client.base_url}: {exc}[/red]")
             raise typer.Exit(3) from None
         if response.status_code >= 400:
-            err.print(f"[red]{response.status_code}: {_detail(response)}[/red]")
-            raise typer.Exit(2 if response.status_code < 500 else 1)
+            _refused(response)
         return response
 
     def events(self, job_id: str) -> Iterator[dict[str, Any]]:
@@ -64,8 +63,7 @@ class Api:
                 ) as source:  # fmt: skip
                     if source.response.status_code >= 400:
                         source.response.read()
-                        err.print(f"[red]{source.response.status_code}: {_detail(source.response)}")
-                        raise typer.Exit(2)
+                        _refused(source.response)
                     for event in source.iter_sse():
                         last = event.id or last
                         if event.event == "deleted":
@@ -80,6 +78,12 @@ class Api:
                     err.print(f"[red]the events stream kept breaking: {exc}[/red]")
                     raise typer.Exit(3) from None
                 time.sleep(min(0.2 * 2**attempt, 5.0))  # back off before resuming
+
+
+def _refused(response: httpx.Response) -> NoReturn:
+    """Say why the service refused, and end the command: 2 for a refusal, 1 for its fault."""
+    err.print(f"[red]{response.status_code}: {_detail(response)}[/red]")
+    raise typer.Exit(2 if response.status_code < 500 else 1)
 
 
 def _detail(response: httpx.Response) -> str:
@@ -255,8 +259,7 @@ def logs(
         ) as response:
             if response.status_code >= 400:
                 response.read()
-                err.print(f"[red]{response.status_code}: {_detail(response)}[/red]")
-                raise typer.Exit(2)
+                _refused(response)
             for text in response.iter_text():
                 out.out(text, end="", highlight=False)
     except httpx.TransportError as exc:

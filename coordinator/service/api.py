@@ -89,12 +89,6 @@ def create_app(context: ApiContext) -> FastAPI:
     reader = [Depends(role(Role.READ))]
     submitter = [Depends(role(Role.SUBMIT))]
 
-    def found(job_id: str) -> JobRecord:
-        try:
-            return store.get(job_id).record
-        except JobNotFound:
-            raise HTTPException(404, f"no job {job_id!r}") from None
-
     # -- jobs -------------------------------------------------------------------
 
     @app.post(
@@ -170,7 +164,6 @@ def create_app(context: ApiContext) -> FastAPI:
     def cancel(job_id: str) -> JobRecord:
         """Cancel a job (idempotent): its members get SIGTERM, then SIGKILL after the
         service's grace, and it ends CANCELLED; a finished job stays as it is."""
-        found(job_id)
 
         def mark(record: JobRecord) -> JobRecord | None:
             if record.state.terminal or record.cancel_requested_at is not None:

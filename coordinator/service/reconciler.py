@@ -370,6 +370,9 @@ class Reconciler:
         self.store.update(record.id, change)
         for index in range(len(attempt.members)):
             self._offsets.pop((record.id, attempt.number, index), None)
+        if attempt.then != S.RESTARTING:  # the job is over: nothing more to note for it
+            self._pending_progress.pop(record.id, None)
+            self._progress_at.pop(record.id, None)
 
     def _clear_rendezvous(self, job_id: str) -> None:
         """Revoke the leases of what the attempt's members left, and their rendezvous keys
