@@ -23,10 +23,19 @@ def agent(
     etcd: EtcdOption = None,
     namespace: NamespaceOption = "/coordinator",
     data_dir: Annotated[Path, typer.Option(help="members' output")] = Path("agent-data"),
-    host: Annotated[str, typer.Option(help="address the service reaches this agent at")] = (
-        "127.0.0.1"
-    ),
+    host: Annotated[
+        str, typer.Option(envvar="COORDINATOR_HOST", help="address the output server listens on")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="port of the output server")] = 0,
+    advertise: Annotated[
+        str | None,
+        typer.Option(
+            envvar="COORDINATOR_ADVERTISE_ADDRESS",
+            help="address the service reaches this agent at [--host; for 0.0.0.0, the "
+            "address that routes to etcd]",
+            show_default=False,
+        ),
+    ] = None,
     ttl: Annotated[
         int, typer.Option(min=2, help="lease TTL: a dead agent is noticed within it")
     ] = 10,
@@ -46,6 +55,7 @@ def agent(
         labels=labels,
         host=host,
         port=port,
+        advertise=advertise,
         ttl=ttl,
         drain_seconds=drain_seconds,
     )

@@ -108,7 +108,12 @@ def submit(
     deadline: Annotated[float | None, typer.Option(help="seconds before it fails")] = None,
     priority: int = 0,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE (repeat)")] = None,
-    launcher: Annotated[str, typer.Option(help="local or docker")] = "local",
+    launcher: Annotated[
+        str | None, typer.Option(help="local, docker, agents or kubernetes [the service's]")
+    ] = None,
+    agent_selector: Annotated[
+        list[str] | None, typer.Option(help="KEY=VALUE an agent must carry (repeat)")
+    ] = None,
     wait: Annotated[bool, typer.Option(help="follow the job to its end")] = False,
     server: ServerOption = "http://127.0.0.1:8080",
     token: TokenOption = None,
@@ -121,8 +126,10 @@ def submit(
         "max_restarts": max_restarts,
         "priority": priority,
         "labels": parse_labels(label),
-        "launcher": launcher,
+        "agent_selector": parse_labels(agent_selector),
     }
+    if launcher:
+        spec["launcher"] = launcher
     if job_id:
         spec["id"] = job_id
     if deadline is not None:

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from coordinator.cli.options import EtcdOption, NamespaceOption, console
+from coordinator.service.model import Launcher
 
 
 def serve(
@@ -38,6 +39,10 @@ def serve(
     insecure: Annotated[
         bool, typer.Option(help="listen beyond loopback without tokens (anyone may submit)")
     ] = False,
+    default_launcher: Annotated[
+        Launcher,
+        typer.Option(envvar="COORDINATOR_DEFAULT_LAUNCHER", help="for jobs that name none"),
+    ] = Launcher.LOCAL,
     docker_image: Annotated[
         str | None,
         typer.Option(help="worker image: enables the docker launcher (containers)"),
@@ -90,6 +95,7 @@ def serve(
         grace=grace,
         member_ttl=member_ttl,
         tokens=tokens,
+        default_launcher=default_launcher,
         docker_image=docker_image,
         docker_network=docker_network,
         docker_host=docker_host,

@@ -218,6 +218,42 @@ class When:
 TxnOp = Put | Delete | First | Get | When
 
 
+@dataclass(frozen=True)
+class CreatedAt:
+    """A guard: `key` exists and is the version created at `revision` (not a successor)."""
+
+    key: str
+    revision: int
+
+    def compare(self) -> etcdrpc.Compare:
+        return etcdrpc.Compare(
+            key=self.key.encode(),
+            result=etcdrpc.Compare.EQUAL,
+            target=etcdrpc.Compare.CREATE,
+            create_revision=self.revision,
+        )
+
+
+@dataclass(frozen=True)
+class QuietSince:
+    """A guard: no key under `prefix` was written after `revision` (deletions aside)."""
+
+    prefix: str
+    revision: int
+
+    def compare(self) -> etcdrpc.Compare:
+        return etcdrpc.Compare(
+            key=self.prefix.encode(),
+            range_end=prefix_end(self.prefix),
+            result=etcdrpc.Compare.LESS,
+            target=etcdrpc.Compare.MOD,
+            mod_revision=self.revision + 1,
+        )
+
+
+Guard = CreatedAt | QuietSince
+
+
 def _request(operation: TxnOp) -> etcdrpc.RequestOp:
     op = etcdrpc.RequestOp()
     operation.into(op)
@@ -468,9 +504,12 @@ class Etcd:
         )
         return _kv(response.kvs[0]) if response.kvs else None
 
-    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """All keys under `prefix`, sorted by key, and the revision they were read at."""
-        request = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
+    def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[list[KeyValue], int]:
+        """All keys under `prefix`, sorted by key, and the revision they were read at
+        (`keys_only`: with empty values, for counting)."""
+        request = etcdrpc.RangeRequest(
+            key=prefix.encode(), range_end=prefix_end(prefix), keys_only=keys_only
+        )
         response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
         return [_kv(kv) for kv in response.kvs], response.header.revision
 
@@ -541,20 +580,32 @@ class Etcd:
         return response.succeeded or mine, current, count
 
     def replace(
-        self, key: str, value: bytes | str, mod_revision: int
+        self,
+        key: str,
+        value: bytes | str,
+        mod_revision: int,
+        lease: int = 0,
+        *,
+        guards: Sequence[Guard] = (),
+        also: Sequence[Put] = (),
     ) -> tuple[bool, KeyValue | None, int]:
-        """Write `key` only if it is still at `mod_revision` (compare-and-swap).
+        """Write `key` only if it is still at `mod_revision` (compare-and-swap), and
+        every guard holds; the puts in `also` are written with it, atomically.
 
-        Returns (written, the key as someone else left it: None when it is gone
-        or when the write succeeded, the revision the request was answered at:
-        the write's own when it succeeded).
+        Returns (written, the key as it now is when it was not written: None when
+        it is gone or when the write succeeded, the revision the request was
+        answered at: the write's own when it succeeded). A failed guard leaves the
+        key as read: written False with the key at `mod_revision`.
         """
         request = etcdrpc.TxnRequest(
-            compare=[_unchanged(key, mod_revision)],
+            compare=[_unchanged(key, mod_revision), *(guard.compare() for guard in guards)],
             success=[
                 etcdrpc.RequestOp(
-                    request_put=etcdrpc.PutRequest(key=key.encode(), value=_bytes(value))
-                )
+                    request_put=etcdrpc.PutRequest(
+                        key=key.encode(), value=_bytes(value), lease=lease
+                    )
+                ),
+                *(put.request() for put in also),
             ],
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))],
         )

@@ -1,29 +1,26 @@
 """An agent: one host's long-running process that runs the members etcd assigns to it.
 
-Keys, under `<ns>/`:
-
-- `agents/<id>`: `{slots, labels, address, version, pid}`, bound to the agent's
-  lease. A second agent with the same id is refused at registration (the key is
-  created only if absent), so two hosts never share an identity. An agent that
-  dies loses the key within its TTL, and with it every member report below.
-- `assignments/<id>/<member>`: what the service's `agents` launcher wants run
-  (`{run_id, attempt, index, worker_args}`); `<member>` is
-  `<run_id>-a<attempt>-m<index>`, so an assignment names its member uniquely.
-- `members/<member>`: `{agent, pid, state, exit_code}` as this agent sees the
-  member (`running`, then `exited`), bound to the agent's lease.
-
-The agent starts each assigned member once, with the local launcher (its own
-session, output to a file), and serves that output over HTTP at its address
+It registers under its lease (the keys are in `agent_keys`; a second agent with a
+live id is refused, so two hosts never share an identity), watches its
+assignments, and starts each assigned member once with the local launcher (its
+own session, output to a file), pointed at etcd as this agent reaches it. It
+reports each member's state, signals a member whose assignment asks for `stop`,
+and serves the members' output over HTTP at its address
 (`GET /members/<member>/output?offset=N`), so the service's logs endpoint
-reaches it on whichever host it ran. On SIGTERM it drains: it deregisters (no
-new assignments can name it), takes nothing new, and waits for its members to
-end, sending them SIGTERM after `drain_seconds`.
+reaches it on whichever host it ran.
+
+Members die with the agent (the kernel kills them when it dies, however it
+dies): its lease, and so its assignments, go with it too, and the service's
+restart policy decides what happens to the job. On SIGTERM it drains instead: it
+deregisters (no new assignments can name it), takes nothing new, and waits for
+its members to end, sending them SIGTERM after `drain_seconds`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -34,12 +31,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.client import Delete, Etcd, EtcdError, Put, WatchEvent
 from coordinator.etcd.session import Session
+from coordinator.rendezvous.address import advertise_address
+from coordinator.service.agent_keys import agent_key, assignments_prefix, report_key
+from coordinator.service.launchers import VANISHED, Launch, with_etcd
 from coordinator.service.launchers.local import LocalLauncher
-from coordinator.service.model import Member
+from coordinator.service.model import JobSpec, Member
 
 REPORT_SECONDS = 0.25  # how often running members are checked for their end
+ANY_ADDRESS = ("0.0.0.0", "::", "")
 
 
 class AgentTaken(RuntimeError):
@@ -52,22 +53,35 @@ class AgentOptions:
     slots: int
     data_dir: Path
     labels: dict[str, str] = field(default_factory=dict)
-    host: str = "127.0.0.1"  # where the service reaches this agent's output
+    host: str = "127.0.0.1"  # where the output server listens
     port: int = 0
+    advertise: str | None = None  # where the service reaches it [host, or the route to etcd]
     ttl: int = 10
     drain_seconds: float = 30.0
+
+
+@dataclass
+class Running:
+    """A member this agent started: the launcher's handle, and the stop asked for."""
+
+    member: Member
+    stop: str | None = None
 
 
 class Agent:
     def __init__(self, etcd: Etcd, options: AgentOptions) -> None:
         self.etcd, self.options = etcd, options
-        self.launcher = LocalLauncher(options.data_dir / "logs")
-        self.members: dict[str, Member] = {}  # member name -> the running member
-        self.assignments = etcd.key("assignments", options.agent_id) + "/"
+        self.launcher = LocalLauncher(options.data_dir / "logs", die_with_parent=True)
+        self.members: dict[str, Running] = {}  # member name -> what runs (or ran)
+        self.assignments = assignments_prefix(etcd, options.agent_id)
+        self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._draining = threading.Event()
+        self._draining = False
         self._http = ThreadingHTTPServer((options.host, options.port), self._handler())
-        self.address = f"{options.host}:{self._http.server_address[1]}"
+        host = options.advertise or (
+            advertise_address(etcd.endpoints) if options.host in ANY_ADDRESS else options.host
+        )
+        self.address = f"{host}:{self._http.server_address[1]}"
         self.session = Session(etcd, options.ttl)
         record = {
             "slots": options.slots,
@@ -78,7 +92,7 @@ class Agent:
             "host": socket.gethostname(),
         }
         created, current, _ = etcd.create(
-            etcd.key("agents", options.agent_id), json.dumps(record), self.session.lease_id
+            agent_key(etcd, options.agent_id), json.dumps(record), self.session.lease_id
         )
         if not created:
             self.session.close()
@@ -89,37 +103,52 @@ class Agent:
                 f"(host {holder.get('host')}, pid {holder.get('pid')}); choose another --id"
             )
         threading.Thread(target=self._http.serve_forever, daemon=True, name="agent-http").start()
-        kvs, revision = etcd.get_prefix(self.assignments)
-        for kv in kvs:
-            self._assigned(kv.key, kv.value)
+        # Assignments are bound to this agent's lease, new with this registration: there
+        # are none before it.
         self._watch = etcd.watch(
-            self.assignments, self._on_assignments, start_revision=revision + 1, prefix=True
-        )
+            self.assignments, self._on_assignments, start_revision=current.create_revision,
+            prefix=True,
+        )  # fmt: skip
 
     # -- assignments --------------------------------------------------------------
 
     def _on_assignments(self, events: list[WatchEvent]) -> None:
+        """Queued for the main thread, which alone starts members: they die with the
+        thread that started them (see `LocalLauncher`), and it lives as long as we do."""
         for event in events:
             if event.kind == "put":
-                self._assigned(event.key, event.value)
+                self._inbox.put((event.key[len(self.assignments) :], event.value))
 
-    def _assigned(self, key: str, value: bytes) -> None:
-        name = key[len(self.assignments) :]
+    def _handle(self, name: str, value: bytes) -> None:
+        assignment = json.loads(value)
+        stop = assignment.get("stop")
         with self._lock:
-            if name in self.members or self._draining.is_set():
-                return
-            if len(self.running()) >= self.options.slots:
-                return  # the launcher never over-fills an agent; a stray key is ignored
-            assignment = json.loads(value)
-            member = self.launcher.start(
-                assignment["run_id"], assignment["attempt"], assignment["index"],
-                assignment["worker_args"],
-            )  # fmt: skip
-            self.members[name] = member
+            running = self.members.get(name)
+        if running is not None:
+            if stop and running.stop != "SIGKILL" and running.member.exit_code is None:
+                running.stop = stop
+                signal = self.launcher.kill if stop == "SIGKILL" else self.launcher.terminate
+                signal(running.member)
+            return
+        if stop or self._draining or len(self.running()) >= self.options.slots:
+            # Stopped before it started, or placed on an agent that is leaving (or, never
+            # by the service, beyond the slots): it ends without running.
+            self._ended(name, Member(index=assignment["index"]), VANISHED)
+            return
+        launch = Launch(
+            run_id=assignment["run_id"],
+            attempt=assignment["attempt"],
+            spec=JobSpec(kind="noop", workers=1),  # the local launcher reads only the args
+            worker_args=with_etcd(assignment["worker_args"], ",".join(self.etcd.endpoints)),
+        )
+        member = self.launcher.start(launch, assignment["index"])
+        with self._lock:
+            self.members[name] = Running(member)
         self._report(name, member, None)
 
     def running(self) -> list[str]:
-        return [n for n, m in self.members.items() if m.exit_code is None]
+        with self._lock:
+            return [n for n, r in self.members.items() if r.member.exit_code is None]
 
     def _report(self, name: str, member: Member, code: int | None) -> None:
         state = {
@@ -128,41 +157,63 @@ class Agent:
             "state": "running" if code is None else "exited",
             "exit_code": code,
         }
-        self.etcd.put(self.etcd.key("members", name), json.dumps(state), self.session.lease_id)
+        self.etcd.put(report_key(self.etcd, name), json.dumps(state), self.session.lease_id)
+
+    def _ended(self, name: str, member: Member, code: int) -> None:
+        """Report the end and free the slot, in one transaction: the service sees the
+        member assigned, or its report, never neither while this agent lives."""
+        state = {"agent": self.options.agent_id, "pid": member.pid, "state": "exited",
+                 "exit_code": code}  # fmt: skip
+        self.etcd.transaction(
+            [
+                Put(report_key(self.etcd, name), json.dumps(state), self.session.lease_id),
+                Delete(self.assignments + name),
+            ]
+        )
 
     def check_members(self) -> None:
         """Report every member that ended since the last check."""
+        ended = []
         with self._lock:
-            ended = []
-            for name, member in self.members.items():
+            for name, running in self.members.items():
+                member = running.member
                 if member.exit_code is None:
                     code = self.launcher.exit_code(member)
                     if code is not None:
-                        self.members[name] = member.model_copy(update={"exit_code": code})
-                        ended.append((name, self.members[name], code))
+                        running.member = member.model_copy(update={"exit_code": code})
+                        ended.append((name, running.member, code))
         for name, member, code in ended:
-            self._report(name, member, code)
+            self._ended(name, member, code)
 
     # -- running and draining ---------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        """Until `stop` (SIGTERM): report members as they end; then drain."""
-        while not stop.wait(REPORT_SECONDS) and not self.session.lost.is_set():
-            self.check_members()
+        """Until `stop` (SIGTERM): start what is assigned, report members as they end;
+        then drain."""
+        while not stop.is_set() and not self.session.lost.is_set():
+            self._work(REPORT_SECONDS)
         self.drain()
 
+    def _work(self, seconds: float) -> None:
+        """Handle the assignments that arrive within `seconds`, then check the members."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                name, value = self._inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            try:
+                self._handle(name, value)
+            except (EtcdError, OSError, ValueError, KeyError) as exc:
+                print(f"agent: assignment {name}: {exc}", flush=True)
+        self.check_members()
+
     def drain(self) -> None:
-        self._draining.set()
-        self._watch.cancel()
-        self.etcd.delete(self.etcd.key("agents", self.options.agent_id))
+        self._draining = True
+        self.etcd.delete(agent_key(self.etcd, self.options.agent_id))
         deadline = time.monotonic() + self.options.drain_seconds
         terminated = False
-        while True:
-            self.check_members()
-            with self._lock:
-                left = [self.members[n] for n in self.running()]
-            if not left:
-                break
+        while left := [self.members[n].member for n in self.running()]:
             if time.monotonic() > deadline and not terminated:
                 for member in left:
                     self.launcher.terminate(member)
@@ -171,7 +222,7 @@ class Agent:
             elif time.monotonic() > deadline:
                 for member in left:
                     self.launcher.kill(member)
-            time.sleep(REPORT_SECONDS)  # a few processes, checked four times a second
+            self._work(REPORT_SECONDS)  # stops the service asks for still apply
         self.close()
 
     def close(self) -> None:
@@ -190,16 +241,20 @@ class Agent:
                 url = urlparse(self.path)
                 parts = url.path.strip("/").split("/")
                 with agent._lock:
-                    member = (
+                    running = (
                         agent.members.get(parts[1])
                         if len(parts) == 3 and parts[0] == "members" and parts[2] == "output"
                         else None
                     )
-                if member is None:
+                if running is None:
                     self.send_error(404, "no such member on this agent")
                     return
-                offset = int(parse_qs(url.query).get("offset", ["0"])[0] or 0)
-                body = agent.launcher.output(member, max(0, offset))
+                try:
+                    offset = int(parse_qs(url.query).get("offset", ["0"])[0] or 0)
+                except ValueError:
+                    self.send_error(400, "offset: expected a whole number of bytes")
+                    return
+                body = agent.launcher.output(running.member, max(0, offset))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(len(body)))

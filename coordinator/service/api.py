@@ -22,7 +22,8 @@ from sse_starlette.sse import EventSourceResponse
 from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
 from coordinator.jobs import JOB_KINDS
 from coordinator.service.auth import Role, Tokens
-from coordinator.service.launchers import WorkerLauncher
+from coordinator.service.launchers import OWN_SLOTS, WorkerLauncher
+from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import JobList, JobRecord, JobSpec, JobState, Launcher, Member
 from coordinator.service.store import JobConflict, JobNotFound, JobStore
@@ -40,6 +41,7 @@ class ApiContext:
     max_workers: int
     metrics: ServiceMetrics
     tokens: Tokens | None = None  # None: no auth (loopback only, or --insecure)
+    default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
 
 
 def invalid(field: list[str | int], message: str, where: str = "body") -> HTTPException:
@@ -264,14 +266,19 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
     run here, so a bad job is refused before anything starts."""
     if spec.kind not in JOB_KINDS:
         raise invalid(["kind"], f"unknown job kind {spec.kind!r} (known: {', '.join(JOB_KINDS)})")
-    if spec.launcher not in context.launchers:
+    if "launcher" not in spec.model_fields_set:
+        spec = spec.model_copy(update={"launcher": context.default_launcher})
+    launcher = context.launchers.get(spec.launcher)
+    if launcher is None:
         known = ", ".join(context.launchers)
         raise invalid(["launcher"], f"launcher {spec.launcher} is not enabled here ({known})")
-    if spec.workers > context.max_workers:
+    if spec.launcher in OWN_SLOTS and spec.workers > context.max_workers:
         raise invalid(
             ["workers"],
             f"{spec.workers} workers can never fit: the service has {context.max_workers} slots",
         )
+    if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):
+        raise invalid(["workers"], why)
     try:
         JOB_KINDS[spec.kind](spec.params, spec.workers).close()
     except ValueError as exc:

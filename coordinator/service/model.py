@@ -34,6 +34,8 @@ class JobState(StrEnum):
 class Launcher(StrEnum):
     LOCAL = "local"  # worker processes on the service's machine
     DOCKER = "docker"  # containers through the docker SDK (podman's socket works)
+    AGENTS = "agents"  # processes run by `coordinator agent`s on any number of hosts
+    KUBERNETES = "kubernetes"  # an Indexed Job's pods
 
 
 class JobSpec(BaseModel):
@@ -45,11 +47,15 @@ class JobSpec(BaseModel):
     kind: Annotated[str, Field(description="noop, steps, xgboost or mnist")]
     workers: Annotated[int, Field(ge=1, le=1024)]
     params: dict[str, str] = Field(default_factory=dict)
-    launcher: Launcher = Launcher.LOCAL
+    launcher: Annotated[Launcher, Field(description="[the service's default]")] = Launcher.LOCAL
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 0
     deadline_seconds: Annotated[float | None, Field(gt=0, le=30 * 86400)] = None
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     labels: dict[str, str] = Field(default_factory=dict)
+    agent_selector: Annotated[
+        dict[str, str],
+        Field(description="agents launcher: labels an agent must carry to run a member"),
+    ] = Field(default_factory=dict)
 
     @field_validator("params", mode="before")
     @classmethod
@@ -59,7 +65,7 @@ class JobSpec(BaseModel):
             return {key: _as_text(item) for key, item in value.items()}
         return value
 
-    @field_validator("labels")
+    @field_validator("labels", "agent_selector")
     @classmethod
     def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
         for key, text in value.items():
@@ -90,6 +96,7 @@ class Member(BaseModel):
     index: int  # the launcher's numbering (0..workers-1); the rank is the rendezvous'
     pid: int | None = None
     container: str | None = None
+    assignment: str | None = None  # agents: "<agent id>/<member name>"
     started: float | None = None  # process start time: tells a reused pid apart
     log: str | None = None  # where a local member's output goes
     rank: int | None = None

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
-from coordinator.service.launchers import VANISHED, WorkerLauncher
+from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
 from coordinator.service.states import TRANSITIONS, advance, restarts_left
@@ -101,7 +101,7 @@ class Reconciler:
     def reconcile_once(self, now: float) -> None:
         active = [stored for stored in self.store.scan() if not stored.record.state.terminal]
         pending = []
-        busy = 0
+        busy = 0  # the service's own worker slots in use (local and docker members)
         for stored in sorted(active, key=lambda s: s.create_revision):
             record = stored.record
             if record.state == S.PENDING:
@@ -110,17 +110,26 @@ class Reconciler:
                 else:
                     pending.append(stored)
                 continue
-            busy += record.spec.workers
+            if record.spec.launcher in OWN_SLOTS:
+                busy += record.spec.workers
             try:
                 self._tend(record, now)
             except JobNotFound:
                 continue
         free = self.settings.max_workers - busy
+        held: set[Launcher] = set()  # launchers whose queue head does not fit
         for stored in sorted(pending, key=lambda s: (-s.record.spec.priority, s.create_revision)):
-            if stored.record.spec.workers > free:
-                break  # strict order: nothing overtakes the head of the queue
-            free -= stored.record.spec.workers
-            self._start_attempt(stored.record, now)
+            record = stored.record
+            launcher = record.spec.launcher
+            if launcher in held:
+                continue  # strict order: nothing overtakes the head of its launcher's queue
+            if launcher in OWN_SLOTS and record.spec.workers > free:
+                held.add(launcher)
+            elif self._start_attempt(record, now):
+                if launcher in OWN_SLOTS:
+                    free -= record.spec.workers
+            else:
+                held.add(launcher)
 
     def _cancel_pending(self, job_id: str, now: float) -> None:
         def change(record: JobRecord) -> JobRecord | None:
@@ -132,8 +141,14 @@ class Reconciler:
 
     # -- attempts -------------------------------------------------------------
 
-    def _start_attempt(self, record: JobRecord, now: float) -> None:
+    def _start_attempt(self, record: JobRecord, now: float) -> bool:
+        """Start the job's next attempt if it fits now (False: it waits)."""
         number = len(record.attempts) + 1
+        launcher = self.launchers[record.spec.launcher]
+        launch = self._launch(record, number)
+        reservation = launcher.reserve(launch)
+        if reservation is None:
+            return False
 
         def change(current: JobRecord) -> JobRecord | None:
             if current.state not in (S.PENDING, S.RESTARTING) or len(current.attempts) >= number:
@@ -142,31 +157,37 @@ class Reconciler:
                 return None
             reason = f"attempt {number}: starting {current.spec.workers} members"
             started = advance(current, S.STARTING, reason, now)
-            started.attempts = [*current.attempts, Attempt(number=number, started_at=now)]
+            attempt = Attempt(number=number, started_at=now, members=reservation.members)
+            started.attempts = [*current.attempts, attempt]
             return started
 
-        record = self.store.update(record.id, change)
-        if record.state == S.STARTING and len(record.attempts) == number:
-            if number > 1:
-                self.restarts += 1
-            self._launch_members(record, now)
+        record = self.store.update(record.id, change, reservation.guards, reservation.puts)
+        if record.state != S.STARTING or len(record.attempts) != number:
+            return False
+        if number > 1:
+            self.restarts += 1
+        self.launched += len(reservation.members)
+        self._launch_members(record, launch, now)
+        return True
 
-    def _launch_members(self, record: JobRecord, now: float) -> None:
+    def _launch_members(self, record: JobRecord, launch: Launch, now: float) -> None:
         """Start the attempt's members not yet recorded (all of them, or what a previous
         leader left undone), recording each as soon as it runs."""
         attempt = record.attempt
         assert attempt is not None
         launcher = self.launchers[record.spec.launcher]
-        args = self._worker_args(record, attempt.number)
         for index in range(len(attempt.members), record.spec.workers):
             try:
-                member = launcher.start(record.run_id, attempt.number, index, args)
+                member = launcher.start(launch, index)
             except Exception as exc:  # no container engine, an image missing, ...
                 reason = f"could not start member {index}: {exc}"
                 self._stop_attempt(record.id, attempt.number, reason, S.FAILED, now)
                 return
             self.launched += 1
             record = self.store.update(record.id, _with_member(attempt.number, member))
+
+    def _launch(self, record: JobRecord, attempt: int) -> Launch:
+        return Launch(record.run_id, attempt, record.spec, self._worker_args(record, attempt))
 
     def _worker_args(self, record: JobRecord, attempt: int) -> list[str]:
         spec = record.spec
@@ -203,7 +224,8 @@ class Reconciler:
             and attempt.stopping_since is None
             and len(attempt.members) < record.spec.workers
         ):
-            self._launch_members(record, now)  # a predecessor died half-way through
+            launch = self._launch(record, attempt.number)
+            self._launch_members(record, launch, now)  # a predecessor died half-way through
             record = self.store.get(record.id).record
             attempt = record.attempt
             assert attempt is not None

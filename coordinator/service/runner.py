@@ -20,6 +20,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.service.api import ApiContext, create_app
 from coordinator.service.auth import Tokens
 from coordinator.service.launchers import WorkerLauncher
+from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.metrics import ServiceMetrics
@@ -38,6 +39,7 @@ class ServiceOptions:
     member_ttl: int = 10
     leader_ttl: int = 5
     tokens: Tokens | None = None
+    default_launcher: Launcher = Launcher.LOCAL
     # The docker launcher, enabled by an image: its network, the engine's API (None:
     # DOCKER_HOST or the default socket) and etcd as containers see it (None: `etcd`).
     docker_image: str | None = None
@@ -53,7 +55,8 @@ class Service:
         self.etcd = Etcd(options.etcd, namespace=options.namespace)
         self.store = JobStore(self.etcd, mirror=True)
         self.launchers: dict[Launcher, WorkerLauncher] = {
-            Launcher.LOCAL: LocalLauncher(options.data_dir / "logs")
+            Launcher.LOCAL: LocalLauncher(options.data_dir / "logs"),
+            Launcher.AGENTS: AgentsLauncher(self.etcd),
         }
         if options.docker_image:
             from coordinator.service.launchers.docker import DockerLauncher
@@ -86,6 +89,7 @@ class Service:
             max_workers=options.max_workers,
             metrics=metrics,
             tokens=options.tokens,
+            default_launcher=options.default_launcher,
         )
         self.app: FastAPI = create_app(context)
         self._stop = threading.Event()

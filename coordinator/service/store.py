@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from coordinator.etcd.client import Etcd, KeyValue, Watch, WatchEvent
+from coordinator.etcd.client import Etcd, Guard, KeyValue, LeaseNotFound, Put, Watch, WatchEvent
 from coordinator.service.model import Condition, JobRecord, JobSpec, JobState
 
 MAX_CAS_TRIES = 50
@@ -77,23 +77,38 @@ class JobStore:
             raise JobConflict(f"job {spec.id!r} exists with another spec; submit it under a new id")
         return stored.record, False
 
-    def update(self, job_id: str, change: Callable[[JobRecord], JobRecord | None]) -> JobRecord:
+    def update(
+        self,
+        job_id: str,
+        change: Callable[[JobRecord], JobRecord | None],
+        guards: Sequence[Guard] = (),
+        also: Sequence[Put] = (),
+    ) -> JobRecord:
         """Apply `change` (pure; None: leave the record as it is) with compare-and-swap,
-        re-reading and re-applying when another writer got there first."""
+        re-reading and re-applying when another writer got there first.
+
+        `guards` and `also` make the change one transaction with other keys (a
+        reservation's): when a guard fails, or names a lease that expired, nothing is
+        written and the record is returned as it was."""
         stored = self.get(job_id)
         for _ in range(MAX_CAS_TRIES):
             new = change(stored.record)
             if new is None or new == stored.record:
                 return stored.record
             raw = new.model_dump_json().encode()
-            written, current, revision = self.etcd.replace(
-                self.key(job_id), raw, stored.mod_revision
-            )
+            try:
+                written, current, revision = self.etcd.replace(
+                    self.key(job_id), raw, stored.mod_revision, guards=guards, also=also
+                )
+            except LeaseNotFound:  # a reserved agent died meanwhile
+                return stored.record
             if written:
                 self._offer(Stored(new, revision, stored.create_revision, raw))
                 return new
             if current is None:
                 raise JobNotFound(job_id)
+            if current.mod_revision == stored.mod_revision:
+                return stored.record  # the record is as read: a guard failed
             stored = _stored(current)
         raise RuntimeError(f"job {job_id}: {MAX_CAS_TRIES} writers raced for the record")
 

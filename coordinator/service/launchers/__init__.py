@@ -1,5 +1,12 @@
 """How the service starts, watches and stops a job's members: one launcher per kind.
 
+Starting an attempt takes two steps. `reserve` first says whether the attempt
+fits now, and returns the etcd writes that take its room (the agents launcher
+writes every member's assignment). The reconciler commits them in the same
+transaction that moves the job to STARTING, so a job is placed whole or not at
+all, and two replicas never both take the same room. Then `start` starts each
+member not yet recorded.
+
 A launcher starts member `index` of attempt `attempt` of a job, idempotently:
 asked again for the same member (a new leader finishing its predecessor's
 launch), it returns the member already running instead of a second one. What
@@ -10,17 +17,64 @@ including one started by a service process that has since died.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from coordinator.service.model import Member
+from coordinator.etcd.client import Guard, Put
+from coordinator.service.model import JobSpec, Launcher, Member
+
+#: The launchers whose members count against the service's own `--max-workers` (they
+#: run on its machine, or its container engine); agents and Kubernetes have their own.
+OWN_SLOTS = frozenset({Launcher.LOCAL, Launcher.DOCKER})
 
 #: The exit code recorded for a member that ended without a word: killed by a
 #: signal while not our child, so neither a status nor a last event tells how.
 VANISHED = -1
 
 
+def with_etcd(worker_args: list[str], endpoints: str) -> list[str]:
+    """`worker_args` with every `--etcd` value replaced by `endpoints`."""
+    args = list(worker_args)
+    for i, arg in enumerate(args):
+        if arg == "--etcd" and i + 1 < len(args):
+            args[i + 1] = endpoints
+        elif arg.startswith("--etcd="):
+            args[i] = f"--etcd={endpoints}"
+    return args
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attempt of a job, as its members are started."""
+
+    run_id: str  # names the submission's members, logs and containers
+    attempt: int  # 1, 2, ...
+    spec: JobSpec
+    worker_args: list[str]  # `coordinator worker <worker_args>`, the same for every member
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The room an attempt takes, written atomically with the job's move to STARTING."""
+
+    puts: list[Put] = field(default_factory=list)
+    # What must still hold: the agents placed on are the ones read, and nobody else
+    # placed members on them since.
+    guards: list[Guard] = field(default_factory=list)
+    members: list[Member] = field(default_factory=list)  # recorded at once (placed members)
+
+
+#: What launchers that start members on demand reserve: no writes, always room (the
+#: service's own `--max-workers` limits local and docker members).
+NOTHING = Reservation()
+
+
 class WorkerLauncher(Protocol):
-    def start(self, run_id: str, attempt: int, index: int, worker_args: list[str]) -> Member:
+    def reserve(self, launch: Launch) -> Reservation | None:
+        """The room the attempt takes, or None when it does not fit now."""
+        ...
+
+    def start(self, launch: Launch, index: int) -> Member:
         """Start `coordinator worker <worker_args>` as that member (or find it running)."""
         ...
 

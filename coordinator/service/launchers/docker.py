@@ -38,7 +38,7 @@ import requests
 from docker.errors import APIError, DockerException, NotFound
 from docker.models.containers import Container
 
-from coordinator.service.launchers import VANISHED
+from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation, with_etcd
 from coordinator.service.model import Member
 
 log = logging.getLogger(__name__)
@@ -73,17 +73,6 @@ def _is_loopback(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a name: resolved wherever the worker runs
-
-
-def with_etcd(worker_args: list[str], endpoints: str) -> list[str]:
-    """`worker_args` with every `--etcd` value replaced by `endpoints`."""
-    args = list(worker_args)
-    for i, arg in enumerate(args):
-        if arg == "--etcd" and i + 1 < len(args):
-            args[i + 1] = endpoints
-        elif arg.startswith("--etcd="):
-            args[i] = f"--etcd={endpoints}"
-    return args
 
 
 class DockerLauncher:
@@ -137,14 +126,17 @@ class DockerLauncher:
     def name(run_id: str, attempt: int, index: int) -> str:
         return f"{run_id}-a{attempt}-m{index}"
 
-    def start(self, run_id: str, attempt: int, index: int, worker_args: list[str]) -> Member:
-        name = self.name(run_id, attempt, index)
+    def reserve(self, launch: Launch) -> Reservation:
+        return NOTHING  # the service's --max-workers is the limit
+
+    def start(self, launch: Launch, index: int) -> Member:
+        name = self.name(launch.run_id, launch.attempt, index)
         client = self.client()
         container = self._find(client, name)
         if container is None:
             self.ensure_network()
             try:
-                container = self._run(client, name, run_id, attempt, index, worker_args)
+                container = self._run(client, name, launch, index)
             except APIError as exc:
                 if exc.status_code != 409:  # 409: another replica's, just created
                     self._network_ready = False  # removed meanwhile? looked at again
@@ -161,15 +153,14 @@ class DockerLauncher:
         self,
         client: docker.DockerClient,
         name: str,
-        run_id: str,
-        attempt: int,
+        launch: Launch,
         index: int,
-        worker_args: list[str],
     ) -> Container:
         """Create and start the member (the image's entrypoint is `coordinator`)."""
+        run_id, attempt = launch.run_id, launch.attempt
         return client.containers.run(
             self.image,
-            ["worker", *with_etcd(worker_args, self.container_etcd)],
+            ["worker", *with_etcd(launch.worker_args, self.container_etcd)],
             name=name,
             detach=True,
             network=self.network_name,

@@ -12,6 +12,7 @@ trusted only with its start time, so a reused pid is never taken for a member.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -22,20 +23,34 @@ from pathlib import Path
 
 import psutil
 
-from coordinator.service.launchers import VANISHED
+from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation
 from coordinator.service.model import Member
+
+PR_SET_PDEATHSIG = 1  # prctl(2): a signal the kernel sends when the parent thread ends
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the thread that started it ends (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class LocalLauncher:
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, die_with_parent: bool = False) -> None:
+        """`die_with_parent`: members are killed when the thread that started them ends
+        (an agent's members die with it); the service's members outlive it instead."""
         self.logs = logs
+        self.die_with_parent = die_with_parent
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
 
     def folder(self, run_id: str, attempt: int) -> Path:
         return self.logs / run_id / f"attempt-{attempt}"
 
-    def start(self, run_id: str, attempt: int, index: int, worker_args: list[str]) -> Member:
-        folder = self.folder(run_id, attempt)
+    def reserve(self, launch: Launch) -> Reservation:
+        return NOTHING  # the service's --max-workers is the limit
+
+    def start(self, launch: Launch, index: int) -> Member:
+        folder = self.folder(launch.run_id, launch.attempt)
         folder.mkdir(parents=True, exist_ok=True)
         pidfile = folder / f"member-{index}.pid"
         log = folder / f"member-{index}.log"
@@ -43,11 +58,12 @@ class LocalLauncher:
             return Member(index=index, log=str(log), **json.loads(pidfile.read_text()))
         with open(log, "ab") as output:
             process = subprocess.Popen(
-                [sys.executable, "-m", "coordinator", "worker", *worker_args],
+                [sys.executable, "-m", "coordinator", "worker", *launch.worker_args],
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, and no terminal signals
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self._children[process.pid] = process

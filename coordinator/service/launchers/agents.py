@@ -1,0 +1,174 @@
+"""Members on agents: `coordinator agent` processes on any number of hosts.
+
+`reserve` places all of an attempt's members on live agents with free slots
+that carry the job's labels (`placement.place`), as one assignment key per
+member bound to its agent's lease (keys: `agent_keys`). The reconciler writes
+them in the same transaction that moves the job to STARTING, guarded by each
+chosen agent's registration (the same agent, still alive) and by its
+assignments (nobody placed members on it since they were read): so two
+replicas never over-fill an agent, and a job is placed whole or not at all.
+
+An agent starts what is assigned to it at once, so `start` has nothing left to
+do. The member's state is its agent's report; an agent that dies takes its
+assignments and reports with its lease, and its members read as `VANISHED`
+(they die with it). Stopping a member writes `stop` into its assignment, and
+its output comes from its agent over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import httpx
+
+from coordinator.etcd.client import CreatedAt, Etcd, EtcdError, Get, KeyValue, Put, QuietSince
+from coordinator.service.agent_keys import (
+    agent_key,
+    assignment_key,
+    assignments_prefix,
+    member_name,
+    report_key,
+)
+from coordinator.service.launchers import VANISHED, Launch, Reservation
+from coordinator.service.model import JobSpec, Member
+from coordinator.service.placement import AgentRoom, capacity, matches, place
+
+log = logging.getLogger(__name__)
+
+
+class AgentsLauncher:
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+        self._http = httpx.Client(timeout=3.0)
+
+    # -- placing ----------------------------------------------------------------
+
+    def rooms(self) -> tuple[list[AgentRoom], dict[str, KeyValue], int]:
+        """The live agents with their slots in use, their registrations, and the
+        revision the assignments were read at."""
+        registered, _ = self.etcd.get_prefix(self.etcd.key("agents") + "/")
+        assigned, revision = self.etcd.get_prefix(assignments_prefix(self.etcd), keys_only=True)
+        start = len(assignments_prefix(self.etcd))
+        used = Counter(kv.key[start:].partition("/")[0] for kv in assigned)
+        kvs = {kv.key.rpartition("/")[2]: kv for kv in registered}
+        rooms = []
+        for agent_id, kv in kvs.items():
+            record = json.loads(kv.value)
+            rooms.append(AgentRoom(agent_id, record["slots"], used[agent_id], record["labels"]))
+        return rooms, kvs, revision
+
+    def never_fits(self, spec: JobSpec) -> str | None:
+        """Why the live agents could never run this job at once (None: they could)."""
+        rooms, _, _ = self.rooms()
+        room = capacity(rooms, spec.agent_selector)
+        if spec.workers <= room:
+            return None
+        matching = [r for r in rooms if matches(r, spec.agent_selector)]
+        which = f" with labels {spec.agent_selector}" if spec.agent_selector else ""
+        return (
+            f"{spec.workers} workers can never fit: the {len(matching)} live agent(s){which} "
+            f"have {room} slots in all; start more agents or ask for fewer workers"
+        )
+
+    def reserve(self, launch: Launch) -> Reservation | None:
+        rooms, registrations, revision = self.rooms()
+        chosen = place(rooms, launch.spec.workers, launch.spec.agent_selector)
+        if chosen is None:
+            return None
+        puts, members = [], []
+        for index, agent_id in enumerate(chosen):
+            name = member_name(launch.run_id, launch.attempt, index)
+            assignment = {
+                "run_id": launch.run_id,
+                "attempt": launch.attempt,
+                "index": index,
+                "worker_args": launch.worker_args,
+            }
+            key = assignment_key(self.etcd, agent_id, name)
+            puts.append(Put(key, json.dumps(assignment), registrations[agent_id].lease))
+            members.append(Member(index=index, assignment=f"{agent_id}/{name}"))
+        guards: list[CreatedAt | QuietSince] = []
+        for agent_id in sorted(set(chosen)):
+            registration = registrations[agent_id]
+            guards.append(CreatedAt(registration.key, registration.create_revision))
+            guards.append(QuietSince(assignments_prefix(self.etcd, agent_id), revision))
+        return Reservation(puts=puts, guards=guards, members=members)
+
+    def start(self, launch: Launch, index: int) -> Member:
+        """The member as `reserve` placed it (its agent started it on its own)."""
+        name = member_name(launch.run_id, launch.attempt, index)
+        assigned, _ = self.etcd.get_prefix(assignments_prefix(self.etcd), keys_only=True)
+        for kv in assigned:
+            agent_id, _, assigned_name = kv.key[len(assignments_prefix(self.etcd)) :].partition("/")
+            if assigned_name == name:
+                return Member(index=index, assignment=f"{agent_id}/{name}")
+        raise RuntimeError(f"member {index} of {launch.run_id} was never placed on an agent")
+
+    # -- following ----------------------------------------------------------------
+
+    def exit_code(self, member: Member) -> int | None:
+        agent_id, name = _parts(member)
+        try:
+            result = self.etcd.transaction(
+                [Get(report_key(self.etcd, name)), Get(assignment_key(self.etcd, agent_id, name))]
+            )
+        except EtcdError as exc:
+            log.warning("member %s: %s", name, exc)
+            return None  # asked again next tick
+        report, assignment = result.reads
+        if report is not None:
+            state = json.loads(report.value)
+            if state["state"] != "exited":
+                return None
+            code = state.get("exit_code")
+            return VANISHED if code is None else int(code)
+        return None if assignment is not None else VANISHED  # assigned, not yet started
+
+    def terminate(self, member: Member) -> None:
+        self._stop(member, "SIGTERM")
+
+    def kill(self, member: Member) -> None:
+        self._stop(member, "SIGKILL")
+
+    def _stop(self, member: Member, signal_name: str) -> None:
+        """Ask the member's agent to signal it: `stop` in its assignment (which exists
+        only while the member is assigned; a replace never brings it back)."""
+        agent_id, name = _parts(member)
+        key = assignment_key(self.etcd, agent_id, name)
+        try:
+            kv = self.etcd.get(key)
+            if kv is None:
+                return
+            assignment = json.loads(kv.value)
+            if assignment.get("stop") == "SIGKILL" or assignment.get("stop") == signal_name:
+                return
+            assignment["stop"] = signal_name
+            self.etcd.replace(key, json.dumps(assignment), kv.mod_revision, kv.lease)
+        except EtcdError as exc:
+            log.warning("member %s: %s", name, exc)
+
+    def output(self, member: Member, offset: int) -> bytes:
+        agent_id, name = _parts(member)
+        try:
+            kv = self.etcd.get(agent_key(self.etcd, agent_id))
+            if kv is None:
+                return b""  # the agent is gone, and its member's output with it
+            address = json.loads(kv.value)["address"]
+            url = f"http://{address}/members/{name}/output"
+            response = self._http.get(url, params={"offset": offset})
+            return response.content if response.status_code == 200 else b""
+        except (EtcdError, httpx.HTTPError) as exc:
+            log.warning("output of %s: %s", name, exc)
+            return b""
+
+    def remove(self, run_id: str) -> int:
+        """Forget the submission's member reports (the agents keep their output files)."""
+        return self.etcd.delete_prefix(report_key(self.etcd, f"{run_id}-a"))
+
+
+def _parts(member: Member) -> tuple[str, str]:
+    assert member.assignment is not None
+    agent_id, _, name = member.assignment.partition("/")
+    return agent_id, name

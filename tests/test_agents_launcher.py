@@ -1,0 +1,206 @@
+"""The `agents` launcher: gang placement on agents' slots, with a real etcd, real agents,
+a real service and real members.
+
+Placement itself is pure (`coordinator.service.placement`) and tested on its own
+first; then the transaction that guards it against a second replica; then the
+whole path: jobs submitted over REST run on three agents, wait for room, and
+survive an agent killed mid-job.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.session import Session
+from coordinator.service.launchers import Launch
+from coordinator.service.launchers.agents import AgentsLauncher
+from coordinator.service.model import JobSpec, JobState
+from coordinator.service.placement import AgentRoom, capacity, place
+from coordinator.service.states import advance
+from coordinator.service.store import JobStore
+from tests.conftest import wait_until
+from tests.test_agent import agents, registered  # noqa: F401 (the fixture)
+from tests.test_service import ServiceProc, serve, wait_state  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.one_etcd
+
+# -- placement (pure) --------------------------------------------------------------------
+
+
+def test_members_spread_over_the_freest_agents_and_a_job_is_placed_whole_or_not_at_all() -> None:
+    rooms = [AgentRoom("a", 2), AgentRoom("b", 2, used=1), AgentRoom("c", 3)]
+    assert place(rooms, 3, {}) == ["c", "a", "c"]  # most free first, ties by id
+    assert place(rooms, 6, {}) is not None
+    assert place(rooms, 7, {}) is None  # 6 free: nothing is placed
+    assert place([AgentRoom("full", 2, used=2)], 1, {}) is None
+
+
+def test_labels_narrow_the_agents_a_job_may_use() -> None:
+    rooms = [AgentRoom("cpu", 4, labels={"zone": "a"}), AgentRoom("gpu", 1, labels={"gpu": "1"})]
+    assert place(rooms, 1, {"gpu": "1"}) == ["gpu"]
+    assert place(rooms, 2, {"gpu": "1"}) is None
+    assert capacity(rooms, {"zone": "a"}) == 4 and capacity(rooms, {"zone": "b"}) == 0
+
+
+# -- the guarded transaction ------------------------------------------------------------
+
+
+def register(etcd: Etcd, agent_id: str, slots: int, session: Session) -> None:
+    record = {"slots": slots, "labels": {}, "address": "127.0.0.1:9", "pid": 0}
+    etcd.put(etcd.key("agents", agent_id), json.dumps(record), session.lease_id)
+
+
+def test_two_replicas_placing_from_the_same_view_never_over_fill_an_agent(etcd: Etcd) -> None:
+    """Both read one free agent with 2 slots; the second commit finds it changed."""
+    session = Session(etcd, 10)
+    try:
+        register(etcd, "only", 2, session)
+        store = JobStore(etcd)
+        launcher = AgentsLauncher(etcd)
+        records = [
+            store.submit(JobSpec(id=f"race-{n}", kind="noop", workers=2), time.time())[0]
+            for n in range(2)
+        ]
+        launches = [Launch(r.run_id, 1, r.spec, ["--job", r.id]) for r in records]
+        reservations = [launcher.reserve(launch) for launch in launches]  # the same view
+        assert all(r is not None and len(r.members) == 2 for r in reservations)
+
+        def starting(record: Any) -> Any:
+            return advance(record, JobState.STARTING, "test", time.time())
+
+        outcomes = []
+        for record, reservation in zip(records, reservations, strict=True):
+            assert reservation is not None
+            updated = store.update(record.id, starting, reservation.guards, reservation.puts)
+            outcomes.append(updated.state)
+        assert outcomes == [JobState.STARTING, JobState.PENDING]
+        assigned, _ = etcd.get_prefix(etcd.key("assignments", "only") + "/")
+        assert len(assigned) == 2
+        assert all(kv.lease == session.lease_id for kv in assigned)  # they die with it
+        assert launcher.reserve(launches[1]) is None  # and from a fresh view: no room
+    finally:
+        session.close(revoke=True)
+
+
+# -- the whole path ----------------------------------------------------------------------
+
+
+class SlotWatch:
+    """The most members any agent ran at once, from the agents' own reports."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.states: dict[str, tuple[str, str]] = {}  # member -> (agent, state)
+        self.most: dict[str, int] = {}
+        self.started: set[str] = set()
+        self._lock = threading.Lock()
+        self.prefix = etcd.key("members") + "/"
+        self._watch = etcd.watch(self.prefix, self._on, start_revision=0, prefix=True)
+
+    def _on(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            for event in events:
+                name = event.key[len(self.prefix) :]
+                if event.kind == "delete":
+                    self.states.pop(name, None)
+                    continue
+                report = json.loads(event.value)
+                self.states[name] = (report["agent"], report["state"])
+                if report["state"] == "running":
+                    self.started.add(name)
+            for agent in {agent for agent, _ in self.states.values()}:
+                running = sum(1 for a, s in self.states.values() if a == agent and s == "running")
+                self.most[agent] = max(self.most.get(agent, 0), running)
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
+@pytest.fixture
+def slots(etcd: Etcd) -> Iterator[SlotWatch]:
+    watch = SlotWatch(etcd)
+    yield watch
+    watch.close()
+
+
+def three_agents(agents: Any, etcd: Etcd) -> list[Any]:  # noqa: F811
+    started = [agents("--id", f"agent-{n}", "--slots", "2") for n in range(3)]
+    for n in range(3):
+        wait_until(lambda n=n: registered(etcd, f"agent-{n}"), 30, f"agent-{n} to register")
+    return started
+
+
+def test_jobs_share_three_agents_wait_for_room_and_never_over_fill_one(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    agents: Any,  # noqa: F811
+    etcd: Etcd,
+    slots: SlotWatch,
+) -> None:
+    three_agents(agents, etcd)
+    service = serve("--default-launcher", "agents")
+    never = service.http.post("/v1/jobs", json={"kind": "noop", "workers": 7})
+    assert never.status_code == 422
+    assert "6 slots" in never.json()["detail"][0]["msg"]
+
+    jobs = {
+        "boost": {"kind": "xgboost", "workers": 3, "params": {"rounds": 20}},
+        "paced": {"kind": "steps", "workers": 3,
+                  "params": {"method": "bsp", "num_steps": 30, "step_seconds": 0.1}},
+        "waits": {"kind": "noop", "workers": 4},
+    }  # fmt: skip
+    for job_id, spec in jobs.items():
+        response = service.http.post("/v1/jobs", json={"id": job_id, **spec})
+        assert response.status_code == 201, response.text
+        assert response.json()["spec"]["launcher"] == "agents"  # the service's default
+
+    def both_running_and_the_third_waits() -> bool:
+        states = {j: service.http.get(f"/v1/jobs/{j}").json()["state"] for j in jobs}
+        if states["boost"] in ("RUNNING", "STARTING") and states["paced"] in (
+            "RUNNING",
+            "STARTING",
+        ):
+            assert states["waits"] == "PENDING", states  # 6 slots in use: 4 do not fit
+            return True
+        return False
+
+    wait_until(both_running_and_the_third_waits, 60, "the two 3-worker jobs to start")
+    records = {j: wait_state(service, j, {"SUCCEEDED", "FAILED"}, timeout=180) for j in jobs}
+    for job_id, record in records.items():
+        assert record["state"] == "SUCCEEDED", (job_id, record["conditions"][-1])
+    placed = [m["assignment"].split("/")[0] for m in records["boost"]["attempts"][0]["members"]]
+    assert sorted(placed) == ["agent-0", "agent-1", "agent-2"]  # spread, one per agent
+
+    logs = service.http.get("/v1/jobs/boost/logs", params={"rank": 0}).text
+    assert '"event": "done"' in logs  # output from the agent's host, through the service
+    assert len(slots.started) == 10  # every member ran, each once
+    assert max(slots.most.values()) <= 2, slots.most
+
+
+def test_an_agent_killed_mid_job_restarts_the_job_on_the_others(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    agents: Any,  # noqa: F811
+    etcd: Etcd,
+    slots: SlotWatch,
+) -> None:
+    started = three_agents(agents, etcd)
+    service = serve("--default-launcher", "agents")
+    spec = {"id": "survivor", "kind": "noop", "workers": 3, "params": {"seconds": 6},
+            "max_restarts": 1}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    running = wait_state(service, "survivor", {"RUNNING"}, timeout=60)
+    victim = running["attempts"][0]["members"][1]["assignment"].split("/")[0]
+    started[int(victim.rsplit("-", 1)[1])].process.send_signal(signal.SIGKILL)
+
+    record = wait_state(service, "survivor", {"SUCCEEDED", "FAILED"}, timeout=120)
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    assert [c["state"] for c in record["conditions"]].count("RESTARTING") == 1
+    second = {m["assignment"].split("/")[0] for m in record["attempts"][1]["members"]}
+    assert victim not in second and len(second) == 2  # the live agents, and only them
+    assert max(slots.most.values()) <= 2, slots.most
