@@ -79,7 +79,7 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 class Service:
     """`coordinator serve` as a subprocess on a free loopback port."""
 
-    def __init__(self, endpoint: str, data: Path, max_workers: int) -> None:
+    def __init__(self, endpoint: str, data: Path, max_workers: int, *extra: str) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -89,7 +89,7 @@ class Service:
         args = [
             sys.executable, "-m", "coordinator", "serve", "--port", str(port),
             "--etcd", endpoint, "--namespace", "/bench-api", "--data-dir", str(data),
-            "--max-workers", str(max_workers), "--grace", "3",
+            "--max-workers", str(max_workers), "--grace", "3", *extra,
         ]  # fmt: skip
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=30)
@@ -294,11 +294,12 @@ def submits(service: Service, workers: int, clients: int, requests: int) -> Tabl
 # -- 3. submit to running: the service against `coordinator run` ---------------------------
 
 
-def through_service(service: Service, workers: int) -> tuple[float, float]:
+def through_service(service: Service, workers: int, launcher: str = "local") -> tuple[float, float]:
     """Seconds from the POST to every member past `connect`, and to SUCCEEDED, as the
     job's event stream shows them."""
     job_id = f"run-{uuid.uuid4().hex[:8]}"
-    spec = {"id": job_id, "kind": "noop", "workers": workers, "params": {"seconds": 0}}
+    spec = {"id": job_id, "kind": "noop", "workers": workers, "params": {"seconds": 0},
+            "launcher": launcher}  # fmt: skip
     began = time.perf_counter()
     service.submit(spec)
     running: float | None = None

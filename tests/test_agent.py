@@ -69,6 +69,20 @@ def test_an_agent_registers_and_a_second_with_its_id_is_refused(agents: Any, etc
     assert registered(etcd, "host-a")["pid"] == first.process.pid  # type: ignore[index]
 
 
+def test_two_agents_starting_at_once_with_one_id_never_share_it(agents: Any, etcd: Etcd) -> None:
+    pair = [agents("--id", "twin"), agents("--id", "twin")]
+    refused = wait_until(
+        lambda: next((a for a in pair if a.process.poll() is not None), None),
+        30,
+        "one of the two to be refused",
+    )
+    assert refused.process.returncode == 2
+    assert b"registered by another live agent" in refused.process.communicate()[1]
+    (winner,) = [a for a in pair if a is not refused]
+    record = wait_until(lambda: registered(etcd, "twin"), 30, "the other to register")
+    assert record["pid"] == winner.process.pid and winner.process.poll() is None
+
+
 def test_assigned_members_run_report_and_serve_their_output(
     agents: Any, etcd: Etcd, etcd_server: EmbeddedEtcd
 ) -> None:

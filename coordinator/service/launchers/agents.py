@@ -42,6 +42,7 @@ class AgentsLauncher:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
         self._http = httpx.Client(timeout=3.0)
+        self._addresses: dict[str, str] = {}  # agent id -> its output server, as last read
 
     # -- placing ----------------------------------------------------------------
 
@@ -152,16 +153,24 @@ class AgentsLauncher:
     def output(self, member: Member, offset: int) -> bytes:
         agent_id, name = _parts(member)
         try:
-            kv = self.etcd.get(agent_key(self.etcd, agent_id))
-            if kv is None:
+            address = self._addresses.get(agent_id) or self._address(agent_id)
+            if address is None:
                 return b""  # the agent is gone, and its member's output with it
-            address = json.loads(kv.value)["address"]
             url = f"http://{address}/members/{name}/output"
             response = self._http.get(url, params={"offset": offset})
             return response.content if response.status_code == 200 else b""
         except (EtcdError, httpx.HTTPError) as exc:
+            self._addresses.pop(agent_id, None)  # read again: it may have moved
             log.warning("output of %s: %s", name, exc)
             return b""
+
+    def _address(self, agent_id: str) -> str | None:
+        kv = self.etcd.get(agent_key(self.etcd, agent_id))
+        if kv is None:
+            return None
+        address: str = json.loads(kv.value)["address"]
+        self._addresses[agent_id] = address
+        return address
 
     def remove(self, run_id: str) -> int:
         """Forget the submission's member reports (the agents keep their output files)."""
