@@ -96,9 +96,18 @@ def test_every_shipped_manifest_passes_strict_schema_validation(version: str) ->
     validate_all(docs, version)
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
     assert kinds == [
+        ("ConfigMap", "coordinator-manifests"),
+        ("Deployment", "coordinator"),
         ("Job", "coordinator-demo"),
+        ("PersistentVolumeClaim", "coordinator-artifacts"),
+        ("Role", "coordinator-launcher"),
+        ("RoleBinding", "coordinator-launcher"),
+        ("Service", "agents"),
+        ("Service", "coordinator"),
         ("Service", "etcd"),
         ("Service", "workers"),
+        ("ServiceAccount", "coordinator"),
+        ("StatefulSet", "coordinator-agent"),
         ("StatefulSet", "etcd"),
     ]
 
@@ -263,7 +272,7 @@ def test_the_bundled_etcd_is_a_statefulset_with_a_volume_and_a_headless_service(
 def test_an_external_etcd_leaves_the_bundled_one_out() -> None:
     docs = k8s.render(4, "demo", etcd="http://e1:2379, e2:2379")
     assert not [d for d in docs if d["metadata"]["name"] == "etcd"]
-    assert sorted(d["kind"] for d in docs) == ["Job", "Service"]
+    assert sorted(d["kind"] for d in docs) == ["Job", "PersistentVolumeClaim", "Service"]
     spec = pod_spec(docs)
     for container in [*spec["initContainers"], *spec["containers"]]:
         assert env(container)["COORDINATOR_ETCD"]["value"] == "e1:2379,e2:2379"
@@ -352,7 +361,13 @@ def test_cli_prints_manifests_that_apply_as_they_are() -> None:
     result = coordinator("k8s", "--workers", "4", "--job", "demo", "--namespace", "/team-a")
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all(result.stdout))
-    assert sorted(d["kind"] for d in docs) == ["Job", "Service", "Service", "StatefulSet"]
+    assert sorted(d["kind"] for d in docs) == [
+        "Job",
+        "PersistentVolumeClaim",
+        "Service",
+        "Service",
+        "StatefulSet",
+    ]
     spec = only(docs, "Job")["spec"]
     assert spec["parallelism"] == spec["completions"] == 4
     values = {name: var.get("value") for name, var in env(worker(docs)).items()}
@@ -368,7 +383,7 @@ def test_cli_with_an_external_etcd_and_image() -> None:
     )
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all(result.stdout))
-    assert sorted(d["kind"] for d in docs) == ["Job", "Service"]
+    assert sorted(d["kind"] for d in docs) == ["Job", "PersistentVolumeClaim", "Service"]
     assert worker(docs)["image"] == "r/i:2"
     assert env(worker(docs))["COORDINATOR_ETCD"]["value"] == "etcd.infra:2379"
 
@@ -397,3 +412,246 @@ def test_cli_bad_input_exits_2_naming_the_field(args: list[str], message: str) -
     # Rich boxes and wraps the message; compare it with the box drawing removed.
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.stderr).split())
     assert message in text, result.stderr
+
+
+# -- the standing product: service, agents, artifacts; security for every container ----
+
+SECURE = {
+    "runAsNonRoot": True,
+    "runAsUser": 10001,
+    "readOnlyRootFilesystem": True,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod template (Job, Deployment, StatefulSet) by `<kind>/<name>`."""
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"]
+        for d in docs
+        if d["kind"] in ("Job", "Deployment", "StatefulSet", "DaemonSet")
+    }
+
+
+def mounts(container: dict[str, Any]) -> dict[str, str]:
+    return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+
+
+def volumes(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in pod.get("volumes", [])}
+
+
+@pytest.mark.parametrize("source", ["shipped", "rendered"])
+def test_every_container_runs_least_privileged_with_requests_and_limits(source: str) -> None:
+    docs = k8s.load() if source == "shipped" else k8s.render(4, "demo")
+    pods = pod_specs(docs)
+    assert "Job/coordinator-demo" in pods
+    if source == "shipped":
+        assert {"Deployment/coordinator", "StatefulSet/coordinator-agent"} <= set(pods)
+    for where, pod in pods.items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        assert pod["securityContext"]["runAsUser"] == 10001, where
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        # Service links would put COORDINATOR_PORT=tcp://... from a `coordinator` Service.
+        assert pod["enableServiceLinks"] is False, where
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            name = f"{where}/{container['name']}"
+            assert container["securityContext"] == SECURE, name
+            resources = container["resources"]
+            assert set(resources["requests"]) == {"cpu", "memory"}, name
+            assert set(resources["limits"]) == {"cpu", "memory"}, name
+            # A read-only root: what is written goes to a volume, never the image.
+            for path in mounts(container):
+                assert path in ("/tmp", "/data", "/artifacts", "/var/run/etcd") or path.startswith(
+                    "/etc/coordinator/"
+                ), name
+
+
+def test_the_image_runs_as_the_user_the_manifests_name() -> None:
+    assert dockerfile()["USER"] == str(SECURE["runAsUser"])
+
+
+def test_agents_workers_and_the_service_share_the_artifacts_volume() -> None:
+    docs = k8s.load()
+    claim = only(docs, "PersistentVolumeClaim", "coordinator-artifacts")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    pods = pod_specs(docs)
+    for where in (
+        "Job/coordinator-demo",
+        "StatefulSet/coordinator-agent",
+        "Deployment/coordinator",
+    ):
+        pod = pods[where]
+        (main,) = [c for c in pod["containers"]]
+        volume = volumes(pod)[mounts(main)["/artifacts"]]
+        assert volume["persistentVolumeClaim"] == {"claimName": "coordinator-artifacts"}, where
+        assert volumes(pod)[mounts(main)["/tmp"]]["emptyDir"], where
+    # The image's default artifacts folder is where the volume is mounted.
+    assert dockerfile()["ENV"]["COORDINATOR_ARTIFACTS"] == "/artifacts"
+    # A rendered job carries the claim, so `coordinator k8s | kubectl apply -f -` works alone.
+    assert (
+        only(k8s.render(4, "demo"), "PersistentVolumeClaim")["metadata"]["name"]
+        == (claim["metadata"]["name"])
+    )
+
+
+def test_the_role_grants_only_what_the_kubernetes_launcher_uses() -> None:
+    docs = k8s.load()
+    role = only(docs, "Role", "coordinator-launcher")
+    rules = {
+        (group, resource): sorted(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert rules == {
+        ("batch", "jobs"): sorted(["create", "get", "list", "watch", "delete", "patch"]),
+        ("", "pods"): ["get", "list", "watch"],
+        ("", "pods/log"): ["get"],
+    }
+    binding = only(docs, "RoleBinding", "coordinator-launcher")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "coordinator-launcher",
+    }
+    account = only(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    deployment = only(docs, "Deployment", "coordinator")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account
+    # Nothing else talks to the Kubernetes API: no token is mounted in those pods.
+    for where, pod in pod_specs(docs).items():
+        if where != "Deployment/coordinator":
+            assert pod["automountServiceAccountToken"] is False, where
+
+
+def test_the_service_deployment_serves_with_tokens_from_a_secret() -> None:
+    docs = k8s.load()
+    deployment = only(docs, "Deployment", "coordinator")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert "command" not in container  # the image's entrypoint: `coordinator`
+    assert args[0] == "serve"
+    options = dict(zip(args[1::2], args[2::2], strict=True))
+    assert options == {
+        "--etcd": "etcd:2379",
+        "--host": "0.0.0.0",
+        "--port": "8080",
+        "--token-file": options["--token-file"],
+        "--default-launcher": "agents",
+        "--data-dir": "/data",
+        "--k8s-image": "etcd-coordinator:latest",  # the kubernetes launcher, in the namespace
+        "--k8s-etcd": "etcd:2379",
+    }
+    folder, _, key = options["--token-file"].rpartition("/")
+    tokens = volumes(pod)[mounts(container)[folder]]
+    assert tokens["secret"]["secretName"] == "coordinator-tokens"
+    # The file is the Secret's key `tokens` (service.yaml: --from-file=tokens=...).
+    assert key == "tokens" and "items" not in tokens["secret"]
+    assert "--from-file=tokens=" in (K8S / "service.yaml").read_text()
+    assert not [d for d in docs if d["kind"] == "Secret"]  # never shipped with a token in it
+    assert volumes(pod)[mounts(container)["/data"]]["emptyDir"]
+    # The Service reaches the container's port; the probes are the API's health routes.
+    service = only(docs, "Service", "coordinator")
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    (port,) = service["spec"]["ports"]
+    assert [p["containerPort"] for p in container["ports"]] == [int(options["--port"])]
+    assert port["targetPort"] == container["ports"][0]["name"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_the_service_reads_the_job_template_from_a_configmap_of_workers_yaml(
+    tmp_path: Path,
+) -> None:
+    """The image has no k8s/: the launcher's template is mounted from the kustomization's
+    configMapGenerator, made of the very file `coordinator k8s` renders from."""
+    docs = k8s.load()
+    config_map = only(docs, "ConfigMap", "coordinator-manifests")
+    assert config_map["data"] == {"workers.yaml": (K8S / "workers.yaml").read_text()}
+    deployment = only(docs, "Deployment", "coordinator")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    folder = env(container)[k8s.MANIFESTS_ENV]["value"]
+    assert volumes(pod)[mounts(container)[folder]]["configMap"]["name"] == "coordinator-manifests"
+    (tmp_path / "workers.yaml").write_text(config_map["data"]["workers.yaml"])
+    assert k8s.job_template(tmp_path) == only(k8s.load(), "Job")
+
+
+def test_the_agents_are_a_statefulset_with_ids_and_addresses_from_the_downward_api() -> None:
+    docs = k8s.load()
+    statefulset = only(docs, "StatefulSet", "coordinator-agent")
+    spec = statefulset["spec"]
+    service = only(docs, "Service", spec["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[0] == "agent"
+    options = dict(zip(args[1::2], args[2::2], strict=True))
+    assert options["--etcd"] == "etcd:2379"
+    assert options["--id"] == "$(POD_NAME)" and options["--advertise"] == "$(POD_IP)"
+    assert options["--slots"] == "2" and options["--host"] == "0.0.0.0"
+    assert options["--data-dir"] == "/data"
+    variables = env(container)
+    assert variables["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert variables["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Two members in one pod must not both take the image's port 29400.
+    assert variables["COORDINATOR_PORT"]["value"] == "0"
+    assert [p["containerPort"] for p in container["ports"]] == [int(options["--port"])]
+    # Draining (30 s by default) fits in the grace before the kubelet's SIGKILL.
+    assert pod["terminationGracePeriodSeconds"] > 30
+
+
+def test_render_builds_its_job_with_the_function_the_launcher_uses() -> None:
+    docs = k8s.render(5, "demo", image="r/i:1", etcd="e:1", kind="steps", params="steps=3")
+    assert only(docs, "Job") == k8s.worker_job(
+        5, "demo", "r/i:1", "e:1", kind="steps", params="steps=3"
+    )
+
+
+@pytest.mark.parametrize("workers", [4, 64])
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_rendered_manifests_pass_strict_validation_for_4_and_64(workers: int, version: str) -> None:
+    docs = k8s.render(workers, "demo")
+    validate_all(docs, version)
+    assert only(docs, "Job")["spec"]["completions"] == workers
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "command"),
+    [("Deployment", "coordinator", "serve"), ("StatefulSet", "coordinator-agent", "agent")],
+)
+def test_the_service_and_agent_arguments_parse_with_the_real_cli(
+    kind: str, name: str, command: str
+) -> None:
+    """The manifests' arguments are options the commands have, with values they accept
+    (parsed by the CLI, not run; `$(VAR)` as the kubelet would expand it)."""
+    import typer.main
+
+    from coordinator.cli import app
+
+    (container,) = only(k8s.load(), kind, name)["spec"]["template"]["spec"]["containers"]
+    args = [
+        {"$(POD_NAME)": "coordinator-agent-0", "$(POD_IP)": "10.0.0.7"}.get(a, a)
+        for a in container["args"]
+    ]
+    assert args[0] == command
+    group = typer.main.get_command(app)
+    sub = group.get_command(group.make_context("coordinator", [command, "--help"]), command)
+    assert sub is not None
+    context = sub.make_context(command, args[1:])
+    given = {key: value for key, value in context.params.items() if value is not None}
+    if command == "serve":
+        assert str(given["default_launcher"]) == "agents" and given["port"] == 8080
+        assert str(given["token_file"]) == "/etc/coordinator/tokens/tokens"
+    else:
+        assert given["agent_id"] == "coordinator-agent-0" and given["advertise"] == "10.0.0.7"
+        assert given["slots"] == 2 and given["port"] == 8081

@@ -58,12 +58,24 @@ def serve(
         str | None,
         typer.Option(help="etcd endpoints HOST:PORT[,...] as containers reach them [--etcd]"),
     ] = None,
+    k8s_image: Annotated[
+        str | None,
+        typer.Option(help="worker image: enables the kubernetes launcher (an Indexed Job)"),
+    ] = None,
+    k8s_namespace: Annotated[
+        str | None,
+        typer.Option(help="Kubernetes namespace of the Jobs [the pod's own, or kubeconfig's]"),
+    ] = None,
+    k8s_etcd: Annotated[
+        str | None, typer.Option(help="etcd endpoints HOST:PORT[,...] as pods reach them [--etcd]")
+    ] = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
     import uvicorn
 
     from coordinator.service.auth import Tokens
     from coordinator.service.embedded import ServiceEtcd
+    from coordinator.service.launchers import LauncherUnavailable
     from coordinator.service.runner import Service, ServiceOptions
 
     tokens = None
@@ -84,6 +96,15 @@ def serve(
             container_endpoints(etcd or "127.0.0.1:2379", docker_etcd)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-etcd") from None
+    if k8s_image:
+        try:
+            import kubernetes  # noqa: F401 (only checked for)
+        except ImportError:
+            raise typer.BadParameter(
+                "the kubernetes launcher needs the kubernetes extra: "
+                "pip install 'etcd-coordinator[kubernetes]'",
+                param_hint="--k8s-image",
+            ) from None
     data_dir = data_dir.absolute()
     embedded = ServiceEtcd(data_dir) if not etcd else None
     endpoint = etcd or (embedded.endpoint if embedded else "")
@@ -100,8 +121,16 @@ def serve(
         docker_network=docker_network,
         docker_host=docker_host,
         docker_etcd=docker_etcd,
+        k8s_image=k8s_image,
+        k8s_namespace=k8s_namespace,
+        k8s_etcd=k8s_etcd,
     )
-    service = Service(options)
+    try:
+        service = Service(options)
+    except LauncherUnavailable as exc:  # e.g. a loopback --k8s-etcd, no cluster configured
+        if embedded is not None:
+            embedded.stop()
+        raise typer.BadParameter(str(exc), param_hint="--k8s-image") from None
     console.print(f"[dim]etcd at {endpoint}; data in {data_dir}[/dim]")
     service.start()
     try:

@@ -1,14 +1,17 @@
-"""Kubernetes manifests for one job: the YAML in `k8s/`, with N, the job id and the image set.
+"""Kubernetes manifests: the YAML in `k8s/`, and one job's Indexed Job filled in from it.
 
 The files in `k8s/` are the source of truth (`kubectl apply -k k8s/` works on them
-directly); `render` only fills in the values that change from job to job, so
-what a user renders and what the repository ships cannot drift apart.
+directly). `worker_job` fills in the values that change from job to job in the
+Job of `k8s/workers.yaml`; `coordinator k8s` (`render`) and the service's
+`kubernetes` launcher both build their Job with it, so what a user renders, what
+the service creates and what the repository ships cannot drift apart.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,15 @@ DEFAULT_IMAGE = "etcd-coordinator:latest"
 DEFAULT_NAMESPACE = "/coordinator"
 #: Kubernetes caps an Indexed Job's completions (and parallelism) at 10^5.
 MAX_WORKERS = 100_000
+#: The files of one job's objects (what `render` prints): etcd, the workers' Service,
+#: the artifacts volume and the Job. The rest of the kustomization (the service, the
+#: agents) is the standing product, applied once.
+JOB_FILES = ("etcd.yaml", "workers.yaml")
+#: The file whose Job is the template of every job's members.
+WORKERS_FILE = "workers.yaml"
+#: A folder holding `workers.yaml` where the package has no `k8s/` next to it (an
+#: installed image): the service's Deployment mounts it from a ConfigMap.
+MANIFESTS_ENV = "COORDINATOR_MANIFESTS"
 
 Manifest = dict[str, Any]
 
@@ -48,20 +60,74 @@ def manifest_dir() -> Path:
 
 
 def load(folder: Path | None = None) -> list[Manifest]:
-    """Every document of the files that `k8s/kustomization.yaml` lists, in its order.
+    """Every object `kubectl apply -k` creates from the kustomization, in its order.
 
     Reading the kustomization's `resources` (not a glob) keeps this the same set of
-    objects that `kubectl apply -k` would create.
+    objects; its `configMapGenerator` entries (files as data, no hash suffix) follow.
     """
     folder = folder or manifest_dir()
     kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
     docs: list[Manifest] = []
     for resource in kustomization.get("resources", []):
-        path = folder / resource
+        docs.extend(_documents(folder, resource))
+    for generator in kustomization.get("configMapGenerator", []):
+        docs.append(_config_map(folder, generator))
+    return docs
+
+
+def _documents(folder: Path, name: str) -> list[Manifest]:
+    path = folder / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder / 'kustomization.yaml'} lists missing {path}")
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _config_map(folder: Path, generator: dict[str, Any]) -> Manifest:
+    """The ConfigMap kustomize generates from whole files (the only form used here)."""
+    options = generator.get("options", {})
+    if not options.get("disableNameSuffixHash") or set(generator) - {"name", "files", "options"}:
+        raise ValueError(f"configMapGenerator {generator.get('name')!r}: only files, no hash")
+    data = {}
+    for name in generator["files"]:
+        path = folder / name
         if not path.is_file():
             raise FileNotFoundError(f"{folder / 'kustomization.yaml'} lists missing {path}")
-        docs.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
-    return docs
+        data[path.name] = path.read_text()
+    metadata: Manifest = {"name": generator["name"]}
+    if options.get("labels"):
+        metadata["labels"] = dict(options["labels"])
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+
+
+def job_manifests(folder: Path | None = None) -> list[Manifest]:
+    """The objects of one job (`JOB_FILES`), as shipped."""
+    folder = folder or manifest_dir()
+    return [doc for name in JOB_FILES for doc in _documents(folder, name)]
+
+
+def job_template(folder: Path | None = None) -> Manifest:
+    """The Job of `workers.yaml`: from `folder`, else $COORDINATOR_MANIFESTS, else `k8s/`.
+
+    The service's kubernetes launcher reads it once when it starts; in an image without
+    the repository, the Deployment mounts the file there from a ConfigMap.
+    """
+    if folder is None and os.environ.get(MANIFESTS_ENV):
+        folder = Path(os.environ[MANIFESTS_ENV])
+    if folder is None:
+        folder = manifest_dir()
+    elif not (folder / WORKERS_FILE).is_file():
+        raise FileNotFoundError(
+            f"Kubernetes Job template not found at {folder / WORKERS_FILE} "
+            f"(the folder comes from ${MANIFESTS_ENV} or the launcher's `manifests`)"
+        )
+    return _only_job(_documents(folder, WORKERS_FILE), folder / WORKERS_FILE)
+
+
+def _only_job(docs: list[Manifest], where: Path) -> Manifest:
+    jobs = [doc for doc in docs if doc["kind"] == "Job"]
+    if len(jobs) != 1:
+        raise ValueError(f"expected exactly one Job in {where}, found {len(jobs)}")
+    return jobs[0]
 
 
 def job_name(job: str) -> str:
@@ -118,22 +184,59 @@ def render(
     kind: str = "noop",
     params: str = "",
 ) -> list[Manifest]:
-    """The manifests for one job of `workers` members.
+    """The manifests for one job of `workers` members (`coordinator k8s`).
 
     `params` is the job's COORDINATOR_PARAMS (KEY=VALUE,..., e.g. `epochs=3` for mnist).
     With `etcd`, the bundled etcd is left out and the workers use those endpoints.
     Raises InvalidValue (a ValueError naming the field) for bad input.
     """
     endpoints = _check(workers, job, image, etcd, kind, params)
-    docs = copy.deepcopy(load())
+    docs = job_manifests()
     if endpoints is not None:
         docs = [doc for doc in docs if not _is_bundled_etcd(doc)]
-    jobs = [doc for doc in docs if doc["kind"] == "Job"]
-    if len(jobs) != 1:
-        raise ValueError(f"expected exactly one Job in {MANIFEST_DIR}, found {len(jobs)}")
-    spec = jobs[0]["spec"]
-    jobs[0]["metadata"]["name"] = job_name(job)
+    template = _only_job(docs, MANIFEST_DIR)
+    docs[docs.index(template)] = worker_job(
+        workers, job, image, etcd, namespace_prefix, kind, params, template=template
+    )
+    return docs
+
+
+def worker_job(
+    workers: int,
+    job: str,
+    image: str = DEFAULT_IMAGE,
+    etcd: str | None = None,
+    namespace_prefix: str = DEFAULT_NAMESPACE,
+    kind: str = "noop",
+    params: str = "",
+    *,
+    template: Manifest | None = None,
+    name: str | None = None,
+    args: list[str] | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    grace_seconds: int | None = None,
+) -> Manifest:
+    """The Indexed Job of one job's `workers` members: `template` (the Job of
+    `workers.yaml` when None) with N, the job id, the image and the environment set.
+
+    The launcher also gives `name` (one Job per attempt, `job_name(job)` otherwise),
+    the worker's `args` (`["worker", ...]`: its options win over the environment),
+    `labels` and `annotations` for the Job and its pods (to find them again), and the
+    pods' `grace_seconds` from SIGTERM to SIGKILL.
+    """
+    endpoints = _check(workers, job, image, etcd, kind, params)
+    result = copy.deepcopy(template if template is not None else job_template())
+    metadata = result["metadata"]
+    metadata["name"] = name or job_name(job)
+    spec = result["spec"]
     spec["parallelism"] = spec["completions"] = workers
+    pod_template = spec["template"]
+    for target in (metadata, pod_template.setdefault("metadata", {})):
+        if labels:
+            target["labels"] = {**target.get("labels", {}), **labels}
+        if annotations:
+            target["annotations"] = {**target.get("annotations", {}), **annotations}
     values = {
         "COORDINATOR_JOB": job,
         "COORDINATOR_WORLD_SIZE": str(workers),
@@ -143,13 +246,18 @@ def render(
     }
     if endpoints is not None:
         values["COORDINATOR_ETCD"] = endpoints
-    pod = spec["template"]["spec"]
+    pod = pod_template["spec"]
+    if grace_seconds is not None:
+        pod["terminationGracePeriodSeconds"] = grace_seconds
     for container in [*pod.get("initContainers", []), *pod["containers"]]:
         container["image"] = image
         for var in container.get("env", []):
             if var["name"] in values:
                 var["value"] = values[var["name"]]
-    return docs
+    if args is not None:
+        (worker,) = (c for c in pod["containers"] if c["name"] == "worker")
+        worker["args"] = list(args)
+    return result
 
 
 class _Dumper(yaml.SafeDumper):

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from coordinator.etcd.client import Etcd
 from coordinator.service.api import ApiContext, create_app
 from coordinator.service.auth import Tokens
-from coordinator.service.launchers import WorkerLauncher
+from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.leadership import Leadership
@@ -46,6 +46,11 @@ class ServiceOptions:
     docker_network: str = "coordinator"
     docker_host: str | None = None
     docker_etcd: str | None = None
+    # The kubernetes launcher, enabled by an image: its namespace (None: the pod's own,
+    # else the kubeconfig's) and etcd as pods see it (None: --etcd).
+    k8s_image: str | None = None
+    k8s_namespace: str | None = None
+    k8s_etcd: str | None = None
 
 
 class Service:
@@ -67,6 +72,21 @@ class Service:
                 options.docker_host,
                 options.docker_etcd or options.etcd,
             )
+        if options.k8s_image:
+            from coordinator.service.launchers.kubernetes import (
+                KubernetesLauncher,
+                current_namespace,
+            )
+
+            try:
+                self.launchers[Launcher.KUBERNETES] = KubernetesLauncher(
+                    options.k8s_image,
+                    options.k8s_namespace or current_namespace(),
+                    options.k8s_etcd or options.etcd,
+                    grace_seconds=round(options.grace),
+                )
+            except (ValueError, RuntimeError) as exc:  # a loopback etcd, no cluster config
+                raise LauncherUnavailable(f"the kubernetes launcher: {exc}") from None
         replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.leadership = Leadership(self.etcd, replica, options.leader_ttl)
         settings = ReconcilerSettings(
@@ -109,5 +129,8 @@ class Service:
         self._thread.join(10)
         self.reconciler.close()
         self.leadership.close()
+        for launcher in self.launchers.values():
+            if (close := getattr(launcher, "close", None)) is not None:
+                close()  # the kubernetes launcher's pod watch
         self.store.close()
         self.etcd.close()

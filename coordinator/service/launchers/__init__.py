@@ -23,6 +23,11 @@ from typing import Protocol
 from coordinator.etcd.client import Guard, Put
 from coordinator.service.model import JobSpec, Launcher, Member
 
+
+class LauncherUnavailable(Exception):
+    """A launcher asked for cannot work here (no configuration, a bad option)."""
+
+
 #: The launchers whose members count against the service's own `--max-workers` (they
 #: run on its machine, or its container engine); agents and Kubernetes have their own.
 OWN_SLOTS = frozenset({Launcher.LOCAL, Launcher.DOCKER})

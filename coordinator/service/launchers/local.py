@@ -29,10 +29,12 @@ from coordinator.service.model import Member
 PR_SET_PDEATHSIG = 1  # prctl(2): a signal the kernel sends when the parent thread ends
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child after fork only calls it
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the thread that started it ends (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class LocalLauncher:
