@@ -24,7 +24,8 @@ import docker
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERS_CONF = Path(__file__).with_name("containers.conf")
-COMPOSE_FILE = REPO / "compose" / "compose.yaml"
+COMPOSE_FILE = REPO / "compose" / "compose.yaml"  # the product: etcd, service, agents
+JOB_COMPOSE_FILE = REPO / "compose" / "job.yaml"  # one job: etcd and its workers
 LABEL = "etcd-coordinator-test"
 IMAGE_PREFIX = "localhost/etcd-coordinator-test"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -32,9 +33,11 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # MNIST compose test runs on it too. A second, plain image would cost CI another
 # full build for no test that needs it.
 WORKER_EXTRAS = "mnist"
-# Laid out like the official etcd image: binaries in /usr/local/bin, no entrypoint.
+# Laid out like the official etcd image: binaries in /usr/local/bin, no entrypoint, and
+# distroless's home of its `nonroot` user (65532), where the compose files keep etcd's data.
 ETCD_DOCKERFILE = """FROM scratch
 COPY etcd etcdctl /usr/local/bin/
+COPY --chown=65532:65532 nonroot /home/nonroot
 CMD ["/usr/local/bin/etcd"]
 """
 
@@ -145,6 +148,9 @@ def build_etcd_image() -> str:
         with tempfile.TemporaryDirectory() as context:
             for binary in (etcd, etcdctl):
                 shutil.copy(binary, context)
+            home = Path(context, "nonroot")
+            home.mkdir()
+            home.chmod(0o700)
             Path(context, "Dockerfile").write_text(ETCD_DOCKERFILE)
             podman("build", "-q", "-t", tag, context)
     return tag
@@ -209,10 +215,15 @@ def build_images() -> Images:
 
 
 def compose(
-    project: str, *args: str, env: dict[str, str], timeout: float = 300
+    project: str,
+    *args: str,
+    env: dict[str, str],
+    file: Path = JOB_COMPOSE_FILE,
+    timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """docker-compose on the project's compose file, under a project name of the test's own."""
+    """docker-compose on one of the project's compose files (by default the one-job
+    mode's), under a project name of the test's own."""
     return subprocess.run(
-        ["docker-compose", "-f", str(COMPOSE_FILE), "-p", project, *args],
+        ["docker-compose", "-f", str(file), "-p", project, *args],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
     )  # fmt: skip

@@ -1,10 +1,16 @@
-"""The compose cluster with real containers: etcd plus worker containers that rendezvous."""
+"""The compose files with real containers: the whole product (etcd, the REST service and
+agents; compose/compose.yaml) and the one-job mode (etcd plus worker containers that
+rendezvous; compose/job.yaml)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import xgboost
@@ -21,7 +28,14 @@ from coordinator.etcd.client import Etcd
 from coordinator.ps.model import MnistNet
 from coordinator.rendezvous.errors import MemberLost
 from tests.conftest import wait_until
-from tests.containers.harness import LABEL, Images, PodmanService, compose
+from tests.containers.harness import (
+    COMPOSE_FILE,
+    JOB_COMPOSE_FILE,
+    LABEL,
+    Images,
+    PodmanService,
+    compose,
+)
 
 pytestmark = pytest.mark.containers
 
@@ -33,7 +47,8 @@ def project(podman_service: PodmanService) -> Iterator[str]:
     """A compose project name of the test's own; everything in it is removed afterwards."""
     name = f"ectest{uuid.uuid4().hex[:8]}"
     yield name
-    compose(name, "down", "-v", "--remove-orphans", "-t", "1", env={})
+    for file in (COMPOSE_FILE, JOB_COMPOSE_FILE):  # whichever mode the test brought up
+        compose(name, "down", "-v", "--remove-orphans", "-t", "1", env={}, file=file)
     client = podman_service.client
     project_label = f"com.docker.compose.project={name}"
     for container in client.containers.list(all=True, filters={"label": project_label}):
@@ -114,7 +129,7 @@ def test_compose_cluster_rendezvous(
     # The workers hold for a while after `connect`, so their addresses can be read
     # while they run (an exited container no longer has one).
     env = compose_env(images, job, WORKERS="3", COORDINATOR_PARAMS="seconds=8")
-    result = compose(project, "up", "-d", env=env)
+    result = compose(project, "up", "-d", env=env, file=JOB_COMPOSE_FILE)
     assert result.returncode == 0, result.stderr
     workers = service_containers(podman_service, project, "worker")
     assert len(workers) == 3
@@ -143,7 +158,7 @@ def train_three(
     podman_service: PodmanService, project: str, env: dict[str, str]
 ) -> dict[int, dict[str, Any]]:
     """Bring up 3 workers, wait until they all exit 0; their results by rank."""
-    result = compose(project, "up", "-d", env=env)
+    result = compose(project, "up", "-d", env=env, file=JOB_COMPOSE_FILE)
     assert result.returncode == 0, result.stderr
     workers = service_containers(podman_service, project, "worker")
     assert len(workers) == 3
@@ -209,7 +224,7 @@ def test_killed_worker_container_fails_the_others_fast(
     env = compose_env(
         images, job, WORKERS="2", COORDINATOR_WORLD_SIZE="3", COORDINATOR_TTL=str(TTL)
     )
-    result = compose(project, "up", "-d", env=env)
+    result = compose(project, "up", "-d", env=env, file=JOB_COMPOSE_FILE)
     assert result.returncode == 0, result.stderr
     network = f"{project}_default"
     slow = podman_service.client.containers.run(
@@ -251,3 +266,184 @@ def _timestamp(text: str) -> float:
     assert match, f"unexpected time format {text!r}"
     zone = "+00:00" if match[3] == "Z" else match[3]
     return datetime.fromisoformat(match[1] + (match[2] or "")[:7] + zone).timestamp()
+
+
+# -- least privilege ------------------------------------------------------------------
+
+COORDINATOR_USER = "10001:10001"  # the image's user, also set in the compose files
+ETCD_USER = "65532:65532"  # distroless's `nonroot`, owner of /home/nonroot (etcd's data)
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    """The kernel's view of a container's main process (rootful podman: a host pid)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def assert_least_privilege(container: Container, user: str) -> None:
+    """What the compose files ask for, as the engine reports it and as the kernel applies
+    it to the running process: a non-root user, a read-only root filesystem, no
+    capability at all, no-new-privileges."""
+    container.reload()
+    host, config = container.attrs["HostConfig"], container.attrs["Config"]
+    name = container.name
+    assert config["User"] == user, name
+    assert host["ReadonlyRootfs"] is True, name
+    assert not host.get("CapAdd"), name
+    # Docker reports ["ALL"]; podman the default set it dropped, name by name.
+    dropped = {cap.removeprefix("CAP_") for cap in host["CapDrop"] or []}
+    assert "ALL" in dropped or {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID"} <= dropped, name
+    assert any(opt.startswith("no-new-privileges") for opt in host["SecurityOpt"] or []), name
+    status = _proc_status(container.attrs["State"]["Pid"])
+    uid, gid = user.split(":")
+    assert status["Uid"].split() == [uid] * 4 and status["Gid"].split() == [gid] * 4, name
+    for capabilities in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[capabilities], 16) == 0, f"{name}: {capabilities} {status[capabilities]}"
+    assert status["NoNewPrivs"] == "1", name
+
+
+def assert_writes_only_where_allowed(container: Container, writable: list[str]) -> None:
+    """The root filesystem refuses a write; each of `writable` takes one (as uid 10001)."""
+    code, output = container.exec_run(["sh", "-c", "touch /probe"])
+    assert code != 0 and b"Read-only file system" in output, (container.name, output)
+    for folder in writable:
+        probe = f"{folder}/probe-{uuid.uuid4().hex[:6]}"
+        code, output = container.exec_run(["sh", "-c", f"touch {probe} && rm {probe}"])
+        assert code == 0, (container.name, folder, output)
+
+
+def test_one_job_mode_runs_with_least_privilege(
+    podman_service: PodmanService, images: Images, project: str
+) -> None:
+    """compose/job.yaml: etcd and the workers as non-root users without capabilities, on
+    read-only root filesystems; the workers write /tmp and the artifacts volume only."""
+    env = compose_env(images, "compose-privilege", WORKERS="2", COORDINATOR_PARAMS="seconds=30")
+    env["COORDINATOR_WORLD_SIZE"] = "2"
+    result = compose(project, "up", "-d", env=env, file=JOB_COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+    workers = service_containers(podman_service, project, "worker")
+    wait_until(lambda: past_connect_or_exited(workers), 120, "the two workers past connect")
+    assert not any(w.status == "exited" for w in workers), [w.logs()[-500:] for w in workers]
+    (etcd,) = service_containers(podman_service, project, "etcd")
+    assert_least_privilege(etcd, ETCD_USER)
+    for worker in workers:
+        assert_least_privilege(worker, COORDINATOR_USER)
+        assert_writes_only_where_allowed(worker, ["/tmp", "/artifacts"])
+
+
+# -- the whole product: etcd, the REST service, agents -----------------------------------
+
+AGENTS = 3
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _agents_registered(podman: PodmanService, project: str) -> int:
+    with etcd_client(podman, project) as etcd:
+        return etcd.count_prefix(etcd.key("agents") + "/")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.timeout(900)
+def test_compose_product_runs_a_job_submitted_over_rest_on_the_agents(
+    podman_service: PodmanService, images: Images, project: str, tmp_path: Path
+) -> None:
+    """`up` with the service and 3 agents; `coordinator submit xgboost --workers 3` from
+    the host reaches the API on a published loopback port and the job succeeds on the
+    agents; the model is in the artifacts volume; every container runs with least
+    privilege; `down -v` leaves no container, network or volume of the project."""
+    submit_token, read_token = f"s-{uuid.uuid4().hex}", f"r-{uuid.uuid4().hex}"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# test tokens\nsubmit {submit_token}\nread {read_token}\n")
+    tokens.chmod(0o644)  # the service (uid 10001) reads it; see docs/compose.md
+    port = _free_loopback_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "ETCD_IMAGE": images.etcd,
+        "COORDINATOR_IMAGE": images.worker,
+        "TOKEN_FILE": str(tokens),
+        "PORT": str(port),
+        "HOST_IP": "127.0.0.1",  # the default, said here: test traffic stays on loopback
+        "AGENTS": str(AGENTS),
+        "SLOTS": "2",
+    }
+    result = compose(project, "up", "-d", env=env, file=COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+
+    (etcd,) = service_containers(podman_service, project, "etcd")
+    (service,) = service_containers(podman_service, project, "service")
+    agents = service_containers(podman_service, project, "agent")
+    assert len(agents) == AGENTS
+
+    def diagnostics() -> str:
+        return "\n".join(
+            f"--- {c.name}\n{c.logs(tail=40).decode(errors='replace')}" for c in (service, *agents)
+        )
+
+    wait_until(lambda: _ready(url), 120, f"the service ready at {url}\n{diagnostics()}")
+    wait_until(
+        lambda: _agents_registered(podman_service, project) == AGENTS,
+        60,
+        f"{AGENTS} agents registered\n{diagnostics()}",
+    )
+
+    assert_least_privilege(etcd, ETCD_USER)
+    for container in (service, *agents):
+        assert_least_privilege(container, COORDINATOR_USER)
+        assert_writes_only_where_allowed(container, ["/tmp", "/data", "/artifacts"])
+    assert httpx.get(f"{url}/v1/jobs", timeout=5).status_code == 401, "a token is required"
+
+    job = f"product-{uuid.uuid4().hex[:6]}"
+    params = "rounds=5,data=synthetic:20000x8:1,eval_data=synthetic:5000x8:2"
+    submit = subprocess.run(
+        [sys.executable, "-m", "coordinator", "submit", "xgboost", "--workers", "3",
+         "--param", params, "--id", job, "--server", f"http://localhost:{port}",
+         "--token", submit_token, "--wait"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NO_COLOR": "1"},
+    )  # fmt: skip
+    headers = {"Authorization": f"Bearer {read_token}"}
+    response = httpx.get(f"{url}/v1/jobs/{job}", headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    record = response.json()
+    assert submit.returncode == 0, (
+        f"{submit.stdout[-2000:]}\n{submit.stderr[-2000:]}\n{json.dumps(record)[:3000]}\n"
+        + diagnostics()
+    )
+    assert record["state"] == "SUCCEEDED"
+
+    # Run by the agents, not by the service: every member assigned to one of them.
+    assert record["spec"]["launcher"] == "agents"
+    agent_ids = {a.attrs["Config"]["Hostname"] for a in agents}
+    members = record["attempts"][-1]["members"]
+    assert len(members) == 3
+    assert all(m["assignment"].split("/")[0] in agent_ids for m in members), members
+    # Their output reaches the host through the service, from whichever agent ran them.
+    logs = httpx.get(f"{url}/v1/jobs/{job}/logs", params={"rank": 0}, headers=headers, timeout=30)
+
+    # The model, in the artifacts volume.
+    volume = podman_service.client.volumes.get(f"{project}_artifacts")
+    model = Path(volume.attrs["Mountpoint"]) / job / "model.json"
+    assert model.exists() and model.stat().st_size > 0
+    xgboost.Booster(model_file=str(model))  # a model xgboost reads back
+
+    result = compose(project, "down", "-v", "-t", "10", env=env, file=COMPOSE_FILE)
+    assert result.returncode == 0, result.stderr
+    client = podman_service.client
+    label = f"com.docker.compose.project={project}"
+    assert client.containers.list(all=True, filters={"label": label}) == []
+    assert [n.name for n in client.networks.list() if n.name.startswith(project)] == []
+    assert [v.name for v in client.volumes.list() if v.name.startswith(project)] == []
+
+    assert logs.status_code == 200 and "[rank 0]" in logs.text, logs.text[-2000:]
+    assert record["artifacts"]["model_path"] == f"/artifacts/{job}/model.json"

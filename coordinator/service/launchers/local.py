@@ -66,7 +66,8 @@ class LocalLauncher:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, and no terminal signals
                 preexec_fn=_die_with_parent if self.die_with_parent else None,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # Port 0: members on one host must not share the image's fixed port.
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "COORDINATOR_PORT": "0"},
             )
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
