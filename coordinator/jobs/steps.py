@@ -29,12 +29,15 @@ from typing import TYPE_CHECKING
 
 from coordinator.barriers.live import LiveBarrier, OnLoss
 from coordinator.barriers.policy import BarrierSpec, Method
+from coordinator.events import emit
 from coordinator.jobs.params import check_known, float_param, int_param
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
 #: Parameters of the step barrier, shared by every job whose steps it paces.
+REPORT_SECONDS = 0.5  # at most this often a `step` event (progress) is printed
+
 BARRIER_PARAMS = {
     "method": "bsp|ssp|asp|pbsp|pssp|dssp",
     "staleness": "SSP/pSSP s, DSSP S_L",
@@ -178,6 +181,7 @@ def run(member: Member, options: StepOptions) -> dict[str, object]:
         member.phase = "training"  # after the start barrier: failures name the phase
         began = time.time()
         first_step_at: float | None = None
+        reported = 0.0
         while barrier.clock < target:
             passage = barrier.wait_turn()
             waited += passage.waited
@@ -187,6 +191,9 @@ def run(member: Member, options: StepOptions) -> dict[str, object]:
             time.sleep(step_seconds)  # the stand-in for one step's compute
             barrier.complete()
             member.etcd.put(key, json.dumps({"clock": barrier.clock, "target": target}))
+            if time.monotonic() - reported > REPORT_SECONDS or barrier.clock >= target:
+                reported = time.monotonic()  # for the service's progress and the dashboard
+                emit("step", rank=member.rank, clock=barrier.clock, target=target)
         barrier.finish()
     finally:
         barrier.close()

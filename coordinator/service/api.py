@@ -22,6 +22,7 @@ from sse_starlette.sse import EventSourceResponse
 from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
 from coordinator.jobs import JOB_KINDS
 from coordinator.service.auth import Role, Tokens
+from coordinator.service.dashboard import add_dashboard
 from coordinator.service.launchers import OWN_SLOTS, WorkerLauncher
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.metrics import ServiceMetrics
@@ -258,6 +259,7 @@ def create_app(context: ApiContext) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_dashboard(app, context, reader, submitter)
     return app
 
 

@@ -25,7 +25,6 @@ nor duplicates them (starting a member is idempotent, see `launchers`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
 from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
+from coordinator.service.series import member_events
 from coordinator.service.states import TRANSITIONS, advance, restarts_left
 from coordinator.service.store import JobNotFound, JobStore
 
@@ -273,7 +273,7 @@ class Reconciler:
         complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
         self._offsets[key] = offset + len(complete)
         update: dict[str, Any] = {}
-        for event in _events(complete):
+        for event in member_events(complete):
             if event.get("rank") is not None:
                 update["rank"] = event["rank"]
             if event.get("event") == "phase":
@@ -431,17 +431,6 @@ def _with_member(attempt: int, member: Member) -> Callable[[JobRecord], JobRecor
         return updated
 
     return change
-
-
-def _events(output: bytes) -> list[dict[str, Any]]:
-    events = []
-    for line in output.splitlines():
-        if line.startswith(b"{"):
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if isinstance(event, dict) and "event" in event:
-                    events.append(event)
-    return events
 
 
 def _root_cause(members: list[Member]) -> str:

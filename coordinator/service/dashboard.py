@@ -1,0 +1,221 @@
+"""The dashboard: a page at `/` and the few endpoints only it needs.
+
+The page (`coordinator/web/`: HTML, CSS and JS of our own, no build step and
+nothing from a CDN) is served to anyone; everything it shows comes from the
+API with the user's token, so the page itself holds no data.
+
+- `GET /v1/whoami`: the token's role, so the page shows a reader no controls.
+- `GET /v1/jobs/{id}/series`: the charts' history, from the members' events.
+- `GET /v1/jobs/{id}/live`: Server-Sent Events while the job runs: trainers'
+  step clocks from etcd (at most every `CLOCK_FLUSH_SECONDS`) and the members'
+  new events (every `OUTPUT_POLL_SECONDS`).
+- `POST /v1/simulate`: the simulator, for the page's simulator view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import FastAPI, Header, HTTPException, Response
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+from sse_starlette.sse import EventSourceResponse
+
+from coordinator.etcd.client import WatchEvent
+from coordinator.service.auth import Role
+from coordinator.service.model import JobRecord, Member
+from coordinator.service.series import Series, clock_bound, collect, live_clock, member_events
+
+if TYPE_CHECKING:
+    from coordinator.service.api import ApiContext
+
+WEB = Path(__file__).resolve().parent.parent / "web"
+CLOCK_FLUSH_SECONDS = 0.1
+OUTPUT_POLL_SECONDS = 0.5
+LIVE_EVENTS = {"round", "metrics", "step", "done", "failed", "phase"}
+
+
+class WhoAmI(BaseModel):
+    role: Role
+    auth: bool  # whether the service asks for tokens at all
+
+
+class SimulationRequest(BaseModel):
+    barrier: Annotated[str, Field(description="methods, e.g. bsp,ssp:2,asp")] = "bsp,ssp:2,asp"
+    workers: Annotated[int, Field(ge=1, le=1000)] = 100
+    seconds: Annotated[float, Field(gt=0, le=1000)] = 100.0
+    delay: str = "exp:1,1"
+    seed: int = 0
+
+
+class SimulatedMethod(BaseModel):
+    label: str
+    summary: dict[str, float | int | str]
+    final_steps: list[int]  # sorted: the CDF's x values
+
+
+class Simulation(BaseModel):
+    methods: list[SimulatedMethod]
+
+
+def add_dashboard(
+    app: FastAPI, context: ApiContext, reader: list[Any], submitter: list[Any]
+) -> None:
+    app.mount("/ui", StaticFiles(directory=WEB), name="ui")
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(WEB / "index.html")
+
+    @app.get("/v1/whoami", dependencies=reader)
+    async def whoami(authorization: Annotated[str | None, Header()] = None) -> WhoAmI:
+        """The role of the bearer token presented (anyone submits where there are none)."""
+        if context.tokens is None:
+            return WhoAmI(role=Role.SUBMIT, auth=False)
+        token = (authorization or "").partition(" ")[2]
+        return WhoAmI(role=context.tokens.role(token) or Role.READ, auth=True)
+
+    @app.get("/v1/jobs/{job_id}/series", dependencies=reader, responses={404: {}})
+    async def series(job_id: str) -> Series:
+        """The history the charts draw: curves, trainers' clocks, staleness."""
+        record = await asyncio.to_thread(_record, context, job_id)
+        outputs = await asyncio.to_thread(_all_events, context, record)
+        return collect(outputs, _barrier_params(record))
+
+    @app.get(
+        "/v1/jobs/{job_id}/live",
+        dependencies=reader,
+        responses={200: {"content": {"text/event-stream": {}}}, 404: {}},
+        response_class=Response,
+    )
+    async def live(job_id: str) -> EventSourceResponse:
+        """While the job lives: `bound` first (the method's clock bound), then `clocks`
+        ({t, clocks: {rank: clock}}, from etcd) and `events` (the members' JSON events,
+        from the first on); the stream ends once the job is final."""
+        record = await asyncio.to_thread(_record, context, job_id)
+        return EventSourceResponse(_live(context, record), ping=15)
+
+    @app.post("/v1/simulate", dependencies=submitter, responses={422: {}})
+    async def simulate(request: SimulationRequest) -> Simulation:
+        """Run the simulator (no etcd, virtual workers) for each method asked for."""
+        from coordinator.service.api import invalid  # here: api imports this module
+
+        try:
+            return await asyncio.to_thread(_simulate, request)
+        except ValueError as exc:
+            field = "delay" if "delay" in str(exc).lower() else "barrier"
+            raise invalid([field], str(exc)) from None
+
+
+def _record(context: ApiContext, job_id: str) -> JobRecord:
+    from coordinator.service.store import JobNotFound
+
+    try:
+        return context.store.get(job_id).record
+    except JobNotFound:
+        raise HTTPException(404, f"no job {job_id!r}") from None
+
+
+def _barrier_params(record: JobRecord) -> dict[str, str]:
+    if record.spec.kind == "mnist":
+        return {"method": "bsp", **record.spec.params}  # the mnist job's default
+    return dict(record.spec.params)
+
+
+def _members(record: JobRecord) -> list[Member]:
+    return [m for attempt in record.attempts for m in attempt.members]
+
+
+def _all_events(context: ApiContext, record: JobRecord) -> list[dict[str, Any]]:
+    launcher = context.launchers.get(record.spec.launcher)
+    if launcher is None:
+        return []
+    events = []
+    for member in _members(record):
+        events += member_events(launcher.output(member, 0))
+    return events
+
+
+async def _live(context: ApiContext, record: JobRecord) -> AsyncIterator[dict[str, str]]:
+    etcd = context.etcd
+    prefix = etcd.key("jobs", record.id, "steps") + "/"
+    latest: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def note(key: str, value: bytes) -> None:
+        if found := live_clock(key, value):
+            with lock:
+                latest[found[0]] = max(found[1], latest.get(found[0], -1))
+
+    def on_clocks(events: list[WatchEvent]) -> None:
+        for event in events:
+            if event.kind == "put":
+                note(event.key, event.value)
+
+    kvs, revision = await asyncio.to_thread(etcd.get_prefix, prefix)
+    for kv in kvs:
+        note(kv.key, kv.value)
+    watch = etcd.watch(prefix, on_clocks, start_revision=revision + 1, prefix=True)
+    offsets: dict[tuple[int, int], int] = {}
+    launcher = context.launchers.get(record.spec.launcher)
+
+    def new_events(current: JobRecord) -> list[dict[str, Any]]:
+        found = []
+        for attempt in current.attempts:
+            for member in attempt.members:
+                key = (attempt.number, member.index)
+                chunk = launcher.output(member, offsets.get(key, 0)) if launcher else b""
+                whole = chunk[: chunk.rfind(b"\n") + 1]
+                offsets[key] = offsets.get(key, 0) + len(whole)
+                found += [e for e in member_events(whole) if e.get("event") in LIVE_EVENTS]
+        return found
+
+    try:
+        bound = clock_bound(_barrier_params(record))
+        yield {"event": "bound", "data": json.dumps({"bound": bound})}
+        polled = 0.0
+        while True:
+            with lock:
+                clocks, latest_copy = bool(latest), dict(latest)
+                latest.clear()
+            if clocks:
+                data = {"t": time.time(), "clocks": latest_copy}
+                yield {"event": "clocks", "data": json.dumps(data)}
+            if time.monotonic() - polled >= OUTPUT_POLL_SECONDS:
+                polled = time.monotonic()
+                current = await asyncio.to_thread(_record, context, record.id)
+                events = await asyncio.to_thread(new_events, current)
+                if events:
+                    yield {"event": "events", "data": json.dumps(events)}
+                if current.state.terminal:
+                    return
+            await asyncio.sleep(CLOCK_FLUSH_SECONDS)
+    finally:
+        watch.cancel()
+
+
+def _simulate(request: SimulationRequest) -> Simulation:
+    from coordinator.simulator import engine, report
+    from coordinator.simulator.delays import parse_delay
+    from coordinator.simulator.spec import parse_barriers
+
+    specs = parse_barriers(request.barrier, None, None, None)
+    model = parse_delay(request.delay)
+    methods = []
+    for spec in specs:
+        result = engine.simulate(spec, request.workers, request.seconds, model, seed=request.seed)
+        methods.append(
+            SimulatedMethod(
+                label=result.label,
+                summary=report.summary(result),
+                final_steps=sorted(result.final_step),
+            )
+        )
+    return Simulation(methods=methods)

@@ -1,0 +1,133 @@
+"""A job's history for the dashboard's charts, from its members' JSON events (pure).
+
+Members print one JSON event per line (`coordinator.events`); these are all a
+chart needs, so nothing more is stored for it:
+
+- `round` (xgboost): the evaluation metrics after each boosting round;
+- `metrics` (mnist, the first server): test accuracy and loss, `t` seconds
+  after training began;
+- `step` (mnist trainers, at most every 0.5 s): a trainer's clock and loss;
+- `done` (every member): a trainer's result holds the staleness of the
+  weights it trained on (versions behind -> steps).
+
+The live step clocks of barrier jobs come from etcd instead (`live_clock`):
+they change at every step, and every job kind that steps keeps them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from coordinator.barriers.live import Clock
+from coordinator.barriers.policy import Method
+from coordinator.jobs.steps import parse_barrier
+
+# A trainer's published clock (barriers.live): `clocks/<rank>` (ASP, DSSP, sampled) or
+# `order/<level>/<rank>` (BSP, SSP), under the job's `steps/<round>/`.
+CLOCK_KEY = re.compile(r"/steps/\d+/(?:clocks|order/\d+)/(\d{6})$")
+
+
+class CurvePoint(BaseModel):
+    t: float  # Unix time (xgboost) or seconds since training began (mnist)
+    x: int  # round (xgboost) or evaluation number (mnist)
+    metrics: dict[str, float]
+
+
+class Series(BaseModel):
+    curve: list[CurvePoint] = Field(default_factory=list)
+    curve_x: str = "round"  # what `x` counts: "round" or "evaluation"
+    curve_t: str = "unix"  # what `t` is: "unix" or "since start"
+    clocks: dict[int, list[tuple[float, int]]] = Field(default_factory=dict)  # rank -> (t, clock)
+    staleness: dict[int, int] = Field(default_factory=dict)  # versions behind -> steps
+    # steps ahead of the slowest trainer, as each trainer saw it when it began a step
+    # (steps jobs report their passages) -> steps
+    gaps: dict[int, int] = Field(default_factory=dict)
+    bound: int | None = None  # the largest clock gap the method allows (None: none)
+    events: list[dict[str, Any]] = Field(default_factory=list)  # members' phases and ends
+
+
+def collect(events: Iterable[dict[str, Any]], params: dict[str, str]) -> Series:
+    """The series of one attempt's events (every member's, in any order)."""
+    series = Series(bound=clock_bound(params))
+    rounds: dict[int, CurvePoint] = {}
+    for event in events:
+        kind = event.get("event")
+        if kind == "round" and event.get("rank") == 0:
+            metrics = _numbers(event.get("metrics") or {})
+            rounds[int(event["round"])] = CurvePoint(
+                t=event["t"], x=event["round"], metrics=metrics
+            )
+        elif kind == "metrics":
+            series.curve_x, series.curve_t = "evaluation", "since start"
+            metrics = _numbers({k: event.get(k) for k in ("accuracy", "loss")})
+            series.curve.append(CurvePoint(t=event["t"], x=event.get("n", 0), metrics=metrics))
+        elif kind == "step" and event.get("rank") is not None:
+            series.clocks.setdefault(int(event["rank"]), []).append((event["t"], event["clock"]))
+        if kind in ("phase", "failed", "done"):
+            keep = ("event", "t", "rank", "phase", "error", "message", "exit_code")
+            series.events.append({k: event[k] for k in keep if k in event})
+        if kind == "done":
+            result = event.get("result") or {}
+            for behind, steps in (result.get("staleness") or {}).items():
+                series.staleness[int(behind)] = series.staleness.get(int(behind), 0) + int(steps)
+            passages = result.get("passages")
+            for clock, slowest, *_ in passages if isinstance(passages, list) else []:
+                if slowest is not None and slowest >= 0:
+                    gap = int(clock) - int(slowest)
+                    series.gaps[gap] = series.gaps.get(gap, 0) + 1
+    if rounds:
+        series.curve = [rounds[n] for n in sorted(rounds)]
+    series.curve.sort(key=lambda point: point.t)
+    series.events.sort(key=lambda event: event.get("t", 0))
+    for points in series.clocks.values():
+        points.sort()
+    return series
+
+
+def clock_bound(params: dict[str, str]) -> int | None:
+    """How far ahead of the slowest trainer the method lets the fastest be, in steps
+    (None: no bound, or no barrier). Sampled methods bound the gap to the peers each
+    trainer samples only, so theirs is the nominal bound."""
+    if "method" not in params:
+        return None
+    try:
+        spec, _ = parse_barrier("dashboard", params)
+    except ValueError:
+        return None
+    if spec.method == Method.DSSP:
+        return spec.staleness_upper + 1
+    return None if spec.bound is None else spec.bound + 1
+
+
+def live_clock(key: str, value: bytes) -> tuple[int, int] | None:
+    """(rank, clock) of a barrier's clock key, or None for any other key."""
+    found = CLOCK_KEY.search(key)
+    if found is None:
+        return None
+    try:
+        clock = Clock.parse(value).clock if value.startswith(b"{") else int(value)
+    except (ValueError, KeyError):
+        return None
+    return int(found.group(1)), clock
+
+
+def member_events(output: bytes) -> list[dict[str, Any]]:
+    """The JSON events in a member's output (whole lines; anything else is skipped)."""
+    events = []
+    for line in output.splitlines():
+        if line.startswith(b"{"):
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict) and "event" in event:
+                    events.append(event)
+    return events
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
