@@ -23,8 +23,9 @@ import pytest
 from docker.models.containers import Container
 
 from coordinator.etcd.client import Etcd
-from coordinator.service.launchers import VANISHED
+from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers.docker import MANAGED_LABEL, RUN_LABEL, DockerLauncher
+from coordinator.service.model import JobSpec
 from coordinator.worker import EXIT_INTERRUPTED
 from tests.conftest import wait_until
 from tests.containers.harness import LABEL, Images, PodmanService
@@ -203,7 +204,8 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
         # A launcher asked again for a member (a new leader) finds it, starts none.
         launcher = DockerLauncher(images.worker, cluster.prefix, podman_service.url, "x:2379")
         first = next(m for m in members if m["index"] == 0)
-        assert launcher.start(run_id, 1, 0, []).container == first["container"]
+        again_launch = Launch(run_id, 1, JobSpec(kind="xgboost", workers=2), [])
+        assert launcher.start(again_launch, 0).container == first["container"]
         assert {c.id for c in cluster.members()} == set(containers)
 
         assert launcher.remove(run_id) == 2
@@ -233,8 +235,9 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
         "--job", job, "--world-size", "1", "--etcd", "127.0.0.1:2379",  # replaced
         "--namespace", f"/{cluster.prefix}", "--kind", "noop", "--param", "seconds=600",
     ]  # fmt: skip
-    member = launcher.start(f"{job}-run", 1, 0, args)
-    assert launcher.start(f"{job}-run", 1, 0, args) == member
+    launch = Launch(f"{job}-run", 1, JobSpec(kind="noop", workers=1), args)
+    member = launcher.start(launch, 0)
+    assert launcher.start(launch, 0) == member
 
     def output() -> str:
         return launcher.output(member, 0).decode(errors="replace")
