@@ -697,7 +697,7 @@ function simulatePage(signal) {
       <div id="simulation-box"></div>
       <table id="simulation-table" class="table small"></table>
     </section>`;
-  document.getElementById("simulation-box").append(makeSvg("chart-simulation", 900, 320));
+  document.getElementById("simulation-box").append(makeSvg("chart-simulation", 1200, 380));
   lineChart(document.getElementById("chart-simulation"), { series: [], xLabel: "", yLabel: "", emptyText: "run a simulation" });
   const form = document.getElementById("simulate-form");
   form.addEventListener("submit", async (event) => {
@@ -719,7 +719,7 @@ function simulatePage(signal) {
         points: m.final_steps.map((step, i) => [step, (i + 1) / m.final_steps.length]),
       }));
       lineChart(document.getElementById("chart-simulation"), {
-        series, xLabel: "final step", yLabel: "fraction of workers (CDF)",
+        series, xLabel: "final step", yLabel: "fraction of workers (CDF)", zero: true,
       });
       const columns = Object.keys(body.methods[0]?.summary || {});
       document.getElementById("simulation-table").innerHTML =

@@ -49,14 +49,14 @@ function empty(svg, message) {
   svg.dataset.points = "0";
 }
 
-function frame(svg, xs, ys, xLabel, yLabel, xFormat = label) {
+function frame(svg, xs, ys, xLabel, yLabel, xFormat = label, top = MARGIN.top) {
   const [width, height] = size(svg);
   const plotW = width - MARGIN.left - MARGIN.right;
-  const plotH = height - MARGIN.top - MARGIN.bottom;
+  const plotH = height - top - MARGIN.bottom;
   const [x0, x1] = xs[0] === xs[1] ? [xs[0] - 1, xs[1] + 1] : xs;
   const [y0, y1] = ys[0] === ys[1] ? [ys[0] - 1, ys[1] + 1] : ys;
   const sx = (x) => MARGIN.left + ((x - x0) / (x1 - x0)) * plotW;
-  const sy = (y) => MARGIN.top + plotH - ((y - y0) / (y1 - y0)) * plotH;
+  const sy = (y) => top + plotH - ((y - y0) / (y1 - y0)) * plotH;
   const parts = [];
   for (const t of ticks(y0, y1, 5)) {
     parts.push(`<line class="grid" x1="${MARGIN.left}" x2="${width - MARGIN.right}" y1="${sy(t)}" y2="${sy(t)}"/>`);
@@ -65,9 +65,9 @@ function frame(svg, xs, ys, xLabel, yLabel, xFormat = label) {
   for (const t of ticks(x0, x1, 6)) {
     parts.push(`<text class="tick" x="${sx(t)}" y="${height - MARGIN.bottom + 16}" text-anchor="middle">${escape(xFormat(t))}</text>`);
   }
-  parts.push(`<line class="axis" x1="${MARGIN.left}" x2="${width - MARGIN.right}" y1="${MARGIN.top + plotH}" y2="${MARGIN.top + plotH}"/>`);
+  parts.push(`<line class="axis" x1="${MARGIN.left}" x2="${width - MARGIN.right}" y1="${top + plotH}" y2="${top + plotH}"/>`);
   parts.push(`<text class="axis-label" x="${MARGIN.left + plotW / 2}" y="${height - 4}" text-anchor="middle">${escape(xLabel)}</text>`);
-  parts.push(`<text class="axis-label" transform="translate(14 ${MARGIN.top + plotH / 2}) rotate(-90)" text-anchor="middle">${escape(yLabel)}</text>`);
+  parts.push(`<text class="axis-label" transform="translate(14 ${top + plotH / 2}) rotate(-90)" text-anchor="middle">${escape(yLabel)}</text>`);
   return { parts, sx, sy, width };
 }
 
@@ -82,7 +82,23 @@ export function lineChart(svg, { series, xLabel, yLabel, band = null, xFormat, z
   const xs = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
   const ysAll = all.map((p) => p[1]).concat(bandPoints.flatMap((p) => [p[1], p[2]]));
   const ys = [zero ? Math.min(0, ...ysAll) : Math.min(...ysAll), Math.max(...ysAll)];
-  const { parts, sx, sy, width } = frame(svg, xs, ys, xLabel, yLabel, xFormat);
+  const legend = drawn.map((s, i) => [s.name, s.color || PALETTE[i % PALETTE.length]]);
+  if (band && band.name) legend.push([band.name, "band"]);
+  const [width] = size(svg);
+  const placed = []; // [name, color, x, row]: left to right, wrapping, above the plot
+  let x = MARGIN.left;
+  let row = 0;
+  for (const [name, color] of legend) {
+    const room = 26 + name.length * 6.2;
+    if (x + room > width - MARGIN.right && x > MARGIN.left) {
+      x = MARGIN.left;
+      row += 1;
+    }
+    placed.push([name, color, x, row]);
+    x += room;
+  }
+  const top = MARGIN.top + (placed.length ? (row + 1) * 15 : 0);
+  const { parts, sx, sy } = frame(svg, xs, ys, xLabel, yLabel, xFormat, top);
   if (bandPoints.length > 1) {
     const thinned = thin(bandPoints);
     const upper = thinned.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[2]).toFixed(1)}`);
@@ -95,18 +111,12 @@ export function lineChart(svg, { series, xLabel, yLabel, band = null, xFormat, z
     const points = thin(s.points).map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
     parts.push(`<polyline class="line${s.dashed ? " dashed" : ""}" stroke="${color}" points="${points}"/>`);
   });
-  const legend = drawn.map((s, i) => [s.name, s.color || PALETTE[i % PALETTE.length]]);
-  if (band && band.name) legend.push([band.name, "band"]);
-  if (legend.length) {
-    const columns = Math.max(1, Math.floor((width - MARGIN.left) / 120));
-    legend.forEach(([name, color], i) => {
-      const x = MARGIN.left + 8 + (i % columns) * 120;
-      const y = MARGIN.top + 10 + Math.floor(i / columns) * 15;
-      const mark = color === "band"
-        ? `<rect class="band" x="${x}" y="${y - 8}" width="14" height="9"/>`
-        : `<rect x="${x}" y="${y - 6}" width="14" height="3" fill="${color}"/>`;
-      parts.push(`${mark}<text class="legend" x="${x + 18}" y="${y}">${escape(name)}</text>`);
-    });
+  for (const [name, color, lx, lrow] of placed) {
+    const y = 10 + lrow * 15;
+    const mark = color === "band"
+      ? `<rect class="band" x="${lx}" y="${y - 8}" width="14" height="9"/>`
+      : `<rect x="${lx}" y="${y - 5}" width="14" height="3" fill="${color}"/>`;
+    parts.push(`${mark}<text class="legend" x="${lx + 18}" y="${y}">${escape(name)}</text>`);
   }
   svg.innerHTML = parts.join("");
   svg.dataset.points = String(total);
