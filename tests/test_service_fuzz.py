@@ -231,6 +231,13 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
         with_ids("GET /v1/jobs/{job_id}/events", finished, 80)
         random_data("GET /v1/jobs/{job_id}/logs", 60, 40)
         with_ids("GET /v1/jobs/{job_id}/logs", finished, 80)
+        # The dashboard's own endpoints (`/live` streams end at once for a final job).
+        random_data("GET /v1/whoami", 20, 0)
+        random_data("GET /v1/jobs/{job_id}/series", 30, 0)
+        with_ids("GET /v1/jobs/{job_id}/series", finished, 30)
+        random_data("GET /v1/jobs/{job_id}/live", 30, 0)
+        with_ids("GET /v1/jobs/{job_id}/live", finished, 30)
+        random_data("POST /v1/simulate", 15, 30)
         random_data("POST /v1/jobs/{job_id}/cancel", 80, 0)
         with_ids("POST /v1/jobs/{job_id}/cancel", known, 50)
         random_data("DELETE /v1/jobs/{job_id}", 80, 0)

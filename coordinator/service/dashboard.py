@@ -20,16 +20,15 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Header, HTTPException, Response
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import WatchEvent
-from coordinator.service.auth import Role
 from coordinator.service.model import JobRecord, Member
 from coordinator.service.series import Series, clock_bound, collect, live_clock, member_events
 
@@ -43,8 +42,11 @@ LIVE_EVENTS = {"round", "metrics", "step", "done", "failed", "phase"}
 
 
 class WhoAmI(BaseModel):
-    role: Role
+    role: Literal["read", "submit", "none"]
     auth: bool  # whether the service asks for tokens at all
+
+
+MAX_SIMULATED_WORKER_SECONDS = 200_000  # workers x seconds: a few seconds of CPU per method
 
 
 class SimulationRequest(BaseModel):
@@ -52,7 +54,16 @@ class SimulationRequest(BaseModel):
     workers: Annotated[int, Field(ge=1, le=1000)] = 100
     seconds: Annotated[float, Field(gt=0, le=1000)] = 100.0
     delay: str = "exp:1,1"
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+
+    @model_validator(mode="after")
+    def _bounded(self) -> SimulationRequest:
+        if self.workers * self.seconds > MAX_SIMULATED_WORKER_SECONDS:
+            raise ValueError(
+                f"workers x seconds is at most {MAX_SIMULATED_WORKER_SECONDS:,} here; "
+                "run `coordinator simulate` for more"
+            )
+        return self
 
 
 class SimulatedMethod(BaseModel):
@@ -74,13 +85,15 @@ def add_dashboard(
     async def page() -> FileResponse:
         return FileResponse(WEB / "index.html")
 
-    @app.get("/v1/whoami", dependencies=reader)
+    @app.get("/v1/whoami")
     async def whoami(authorization: Annotated[str | None, Header()] = None) -> WhoAmI:
-        """The role of the bearer token presented (anyone submits where there are none)."""
+        """The role of the bearer token presented: `none` for no valid token (the page
+        then asks for one); anyone submits where the service has no tokens."""
         if context.tokens is None:
-            return WhoAmI(role=Role.SUBMIT, auth=False)
-        token = (authorization or "").partition(" ")[2]
-        return WhoAmI(role=context.tokens.role(token) or Role.READ, auth=True)
+            return WhoAmI(role="submit", auth=False)
+        scheme, _, token = (authorization or "").partition(" ")
+        granted = context.tokens.role(token) if scheme.lower() == "bearer" else None
+        return WhoAmI(role=granted.value if granted else "none", auth=True)
 
     @app.get("/v1/jobs/{job_id}/series", dependencies=reader, responses={404: {}})
     async def series(job_id: str) -> Series:
@@ -102,7 +115,11 @@ def add_dashboard(
         record = await asyncio.to_thread(_record, context, job_id)
         return EventSourceResponse(_live(context, record), ping=15)
 
-    @app.post("/v1/simulate", dependencies=submitter, responses={422: {}})
+    @app.post(
+        "/v1/simulate",
+        dependencies=submitter,
+        responses={400: {"description": "the body is not JSON"}, 422: {}},
+    )
     async def simulate(request: SimulationRequest) -> Simulation:
         """Run the simulator (no etcd, virtual workers) for each method asked for."""
         from coordinator.service.api import invalid  # here: api imports this module

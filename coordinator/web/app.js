@@ -10,6 +10,7 @@ const KINDS = ["noop", "steps", "xgboost", "mnist"];
 const LAUNCHERS = ["local", "docker", "agents", "kubernetes"];
 const TOKEN_KEY = "coordinator-token";
 const JOBS_REFRESH_MS = 2000;
+const MAX_CLOCK_POINTS = 4000; // per trainer: older points are thinned beyond this (long runs)
 
 const session = { token: sessionStorage.getItem(TOKEN_KEY), role: "none", auth: false };
 let page = null; // the current page's AbortController: its requests and timers stop with it
@@ -101,6 +102,13 @@ function progressCell(record) {
   return `<div class="bar"><div style="width:${(fraction * 100).toFixed(1)}%"></div></div><span class="bar-text">${escape(text)}</span>`;
 }
 
+// Every other point of the older half goes: memory stays bounded, recent detail stays.
+function thinOlderHalf(points) {
+  const half = Math.floor(points.length / 2);
+  const older = points.slice(0, half).filter((_, i) => i % 2 === 0);
+  points.splice(0, half, ...older);
+}
+
 function main() {
   return document.getElementById("main");
 }
@@ -110,6 +118,10 @@ function main() {
 async function learnRole() {
   const response = await api("/v1/whoami");
   const me = await response.json();
+  if (me.role === "none") {
+    showSignIn();
+    throw new SignInNeeded();
+  }
   session.role = me.role;
   session.auth = me.auth;
   document.body.dataset.role = me.role;
@@ -189,7 +201,7 @@ function jobsPage(signal) {
       </div>
       <p class="field-error" data-field="label"></p>
       <table id="jobs" class="table">
-        <thead><tr><th>job</th><th>state</th><th>kind</th><th>workers</th><th>launcher</th><th>progress</th><th>age</th></tr></thead>
+        <thead><tr><th>job</th><th>state</th><th>kind</th><th class="num">workers</th><th>launcher</th><th>progress</th><th class="num">age</th></tr></thead>
         <tbody></tbody>
       </table>
       <p class="muted empty-note" hidden>No jobs yet. <a class="needs-submit" href="#/submit">Submit one.</a></p>
@@ -231,7 +243,8 @@ async function loadJobs([state, kind, labelFilter], signal) {
   const rows = jobs.map((job) => `
     <tr data-job="${escape(job.id)}">
       <td class="id"><a href="#/jobs/${encodeURIComponent(job.id)}">${escape(job.id)}</a></td>
-      <td class="state">${badge(job.state)}</td>
+      <td class="state" title="${escape(job.conditions[job.conditions.length - 1]?.reason)}">${badge(job.state)}${
+        job.state === "FAILED" ? `<div class="why">${escape(job.conditions[job.conditions.length - 1]?.reason)}</div>` : ""}</td>
       <td class="kind">${escape(job.spec.kind)}</td>
       <td class="workers num">${job.spec.workers}</td>
       <td class="launcher">${escape(job.spec.launcher)}</td>
@@ -260,11 +273,11 @@ function jobPage(jobId, signal) {
     <p class="reason" id="job-reason"></p>
     <div class="grid">
       <section class="card" data-shows="curve"><div class="card-head"><h2 id="curve-title">Learning curve</h2>
-        <select id="curve-axis"><option value="x">by round</option><option value="t">by time</option></select></div><div id="curve-box"></div></section>
+        <select id="curve-axis"><option value="x">by round</option><option value="t">by time</option></select></div><div id="curve-box"></div><p class="muted small" id="curve-latest"></p></section>
       <section class="card" data-shows="clocks"><h2>Step clocks</h2><p class="muted small" id="clocks-note"></p><div id="clocks-box"></div><div id="gaps-box"></div></section>
-      <section class="card" data-shows="clocks"><h2 id="staleness-title">Staleness</h2><div id="staleness-box"></div></section>
+      <section class="card" data-shows="clocks"><h2>Staleness</h2><p class="muted small" id="staleness-title"></p><div id="staleness-box"></div></section>
       <section class="card"><h2>Members</h2>
-        <table id="members" class="table small"><thead><tr><th>rank</th><th>member</th><th>address</th><th>host</th><th>phase</th><th>exit</th><th>failure</th></tr></thead><tbody></tbody></table>
+        <table id="members" class="table small"><thead><tr><th class="num">rank</th><th>role</th><th>address</th><th>runs as</th><th>phase</th><th class="num">exit</th><th>failure</th></tr></thead><tbody></tbody></table>
       </section>
       <section class="card"><h2>Conditions</h2><ol id="conditions" class="timeline"></ol></section>
       <section class="card"><h2>Events</h2><ol id="events" class="events"></ol></section>
@@ -343,7 +356,9 @@ class JobView {
 
   addClocks(t, clocks) {
     for (const [rank, clock] of Object.entries(clocks)) {
-      (this.clocks[rank] ||= []).push([t, clock]);
+      const points = (this.clocks[rank] ||= []);
+      points.push([t, clock]);
+      if (points.length > MAX_CLOCK_POINTS) thinOlderHalf(points);
       window.dashboard.clocks[rank] = clock;
       window.dashboard.clockUpdates += 1;
     }
@@ -405,8 +420,14 @@ class JobView {
       series,
       xLabel: byTime ? "seconds since training began" : byRound ? "boosting round" : "evaluation",
       yLabel: "value",
+      zero: true,
+      integerX: !byTime,
       emptyText: "no evaluation yet",
     });
+    const last = this.curve[this.curve.length - 1];
+    document.getElementById("curve-latest").textContent = last
+      ? "latest: " + Object.entries(last.metrics).map(([k, v]) => `${k} ${Number(v).toPrecision(4)}`).join(", ")
+      : "";
   }
 
   drawClocks() {
@@ -440,7 +461,7 @@ class JobView {
     }
     lineChart(document.getElementById("chart-gaps"), {
       series: gaps, xLabel: "seconds", yLabel: "ahead of slowest", zero: true,
-      emptyText: "steps ahead of the slowest: drawn while this page watches the job run",
+      emptyText: "steps ahead of the slowest, drawn live while the job runs (the whole run: Staleness)",
     });
   }
 
@@ -472,8 +493,9 @@ class JobView {
     const keys = Object.keys(source).map(Number).sort((a, b) => a - b);
     const bins = keys.length ? Array.from({ length: keys[keys.length - 1] + 1 }, (_, i) => [String(i), source[i] || 0]) : [];
     document.getElementById("staleness-title").textContent = reported
-      ? "Staleness of the weights trainers stepped on"
-      : "Clock gap to the slowest trainer";
+      ? "How many versions behind the weights were that each training step used (the trainers' own count, at the end)."
+      : live ? "How far each trainer was ahead of the slowest, at every clock change seen here."
+      : "How far each trainer was ahead of the slowest when it began each step.";
     histogram(document.getElementById("chart-staleness"), {
       bins,
       xLabel: reported ? "versions behind" : "steps ahead of the slowest",
@@ -527,15 +549,19 @@ class JobView {
 
   showMembers(record) {
     const attempt = record.attempts[record.attempts.length - 1];
-    const members = attempt ? attempt.members : [];
+    const members = (attempt ? attempt.members : []).slice().sort((a, b) => (a.rank ?? 1e9 + a.index) - (b.rank ?? 1e9 + b.index));
     document.querySelector("#members tbody").innerHTML = members.map((m) => {
-      const host = m.assignment ? m.assignment.split("/")[0] : m.container ? m.container.slice(0, 12) : m.pid ? `pid ${m.pid}` : "";
+      const host = m.assignment ? `agent ${m.assignment.split("/")[0]}`
+        : m.container ? `container ${m.container.slice(0, 12)}` : m.pid ? `local pid ${m.pid}` : "";
       const failure = m.failure ? `${m.failure.error}: ${m.failure.message}` : "";
       const exit = m.exit_code == null ? "" : m.exit_code;
+      // "connect" is the last phase a member reports before its job's work ends.
+      const phase = m.phase === "connect" && record.state === "RUNNING" ? "working" : m.phase;
+      const role = memberRole(record, m.rank);
       return `<tr data-index="${m.index}">
-        <td class="rank num">${m.rank ?? ""}</td><td class="num">${m.index}</td>
+        <td class="rank num">${m.rank ?? ""}</td><td class="role muted">${escape(role)}</td>
         <td class="address">${escape(m.address || "")}</td><td class="host">${escape(host)}</td>
-        <td class="phase">${escape(m.phase)}</td>
+        <td class="phase">${escape(phase)}</td>
         <td class="exit num ${exit !== "" && exit !== 0 ? "bad" : ""}">${exit}</td>
         <td class="failure">${escape(failure)}</td></tr>`;
     }).join("");
@@ -597,6 +623,19 @@ class JobView {
   }
 }
 
+// What a rank does in its job, where the kind gives ranks roles.
+function memberRole(record, rank) {
+  if (rank == null) return "";
+  const params = record.spec.params;
+  const servers = Number(params.servers || 1);
+  const parts = [];
+  if (record.spec.kind === "mnist") parts.push(rank < servers ? "server" : "trainer");
+  if (params.straggler_rank !== undefined && Number(params.straggler_rank) === rank) {
+    parts.push(`straggler ×${params.straggler_factor || "?"}`);
+  }
+  return parts.join(", ");
+}
+
 // -- submitting --------------------------------------------------------------------------------
 
 function submitPage(signal) {
@@ -614,7 +653,7 @@ function submitPage(signal) {
         <label>Workers <input name="workers" type="number" min="1" value="2" required></label>
         <p class="field-error" data-field="workers"></p>
         <label>Parameters <span class="muted small">one key=value per line</span>
-          <textarea name="params" rows="5" placeholder="rounds=30"></textarea></label>
+          <textarea name="params" rows="5"></textarea></label>
         <p class="field-error" data-field="params"></p>
         <div class="row">
           <label>Launcher <select name="launcher"><option value="">service default</option>${LAUNCHERS.map((l) => `<option>${l}</option>`).join("")}</select></label>
@@ -629,6 +668,13 @@ function submitPage(signal) {
       </form>
     </section>`;
   const form = document.getElementById("submit-form");
+  const examples = {
+    noop: "seconds=10", steps: "method=ssp\nstaleness=2\nnum_steps=100\nstep_seconds=0.05",
+    xgboost: "rounds=30", mnist: "epochs=2\nmethod=ssp\nstaleness=2",
+  };
+  const example = () => { form.params.placeholder = examples[form.kind.value] || ""; };
+  form.kind.addEventListener("change", example);
+  example();
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     for (const el of form.querySelectorAll(".field-error")) el.textContent = "";
@@ -723,7 +769,7 @@ function simulatePage(signal) {
       });
       const columns = Object.keys(body.methods[0]?.summary || {});
       document.getElementById("simulation-table").innerHTML =
-        `<thead><tr>${columns.map((c) => `<th>${escape(c.replace("_", " "))}</th>`).join("")}</tr></thead>` +
+        `<thead><tr>${columns.map((c) => `<th>${escape(c.replace("_", " "))}${c === "mean_wait" ? " (s)" : ""}</th>`).join("")}</tr></thead>` +
         `<tbody>${body.methods.map((m) => `<tr>${columns.map((c) => `<td>${escape(m.summary[c])}</td>`).join("")}</tr>`).join("")}</tbody>`;
     } catch (error) {
       if (error.name !== "AbortError" && !(error instanceof SignInNeeded)) {

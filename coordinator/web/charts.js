@@ -73,7 +73,7 @@ function frame(svg, xs, ys, xLabel, yLabel, xFormat = label, top = MARGIN.top) {
 
 // series: [{name, points: [[x, y], ...], color?, dashed?}]; band: {points: [[x, low, high]], name};
 // zero: the y axis starts at 0 (else at the data's lowest value).
-export function lineChart(svg, { series, xLabel, yLabel, band = null, xFormat, zero = false, emptyText = "no data yet" }) {
+export function lineChart(svg, { series, xLabel, yLabel, band = null, xFormat, zero = false, integerX = false, emptyText = "no data yet" }) {
   const drawn = series.filter((s) => s.points.length);
   const total = drawn.reduce((n, s) => n + s.points.length, 0);
   if (!total) return empty(svg, emptyText);
@@ -98,7 +98,8 @@ export function lineChart(svg, { series, xLabel, yLabel, band = null, xFormat, z
     x += room;
   }
   const top = MARGIN.top + (placed.length ? (row + 1) * 15 : 0);
-  const { parts, sx, sy } = frame(svg, xs, ys, xLabel, yLabel, xFormat, top);
+  const format = integerX ? (v) => (Number.isInteger(v) ? label(v) : "") : xFormat;
+  const { parts, sx, sy } = frame(svg, xs, ys, xLabel, yLabel, format, top);
   if (bandPoints.length > 1) {
     const thinned = thin(bandPoints);
     const upper = thinned.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[2]).toFixed(1)}`);
