@@ -43,7 +43,10 @@ EXIT_CODES: dict[int, str] = {
     EXIT_OK: "the member passed every phase and cleaned up",
     EXIT_ERROR: "an unexpected error (message on stderr)",
     EXIT_USAGE: "bad arguments",
-    EXIT_ETCD_UNAVAILABLE: "etcd could not be reached within the connect timeout",
+    EXIT_ETCD_UNAVAILABLE: (
+        "etcd could not be reached within the connect timeout, or refused the TLS or auth "
+        "settings (the message names which)"
+    ),
     JobFull.exit_code: "the job already has all its members",
     MemberLost.exit_code: "another member died, lost etcd or failed",
     RendezvousTimeout.exit_code: "a phase passed its deadline; the message names who was missing",

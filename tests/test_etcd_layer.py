@@ -182,7 +182,7 @@ def test_a_second_endpoint_is_used_when_the_first_is_down(etcd_server: EmbeddedE
 
 @pytest.mark.parametrize(
     ("given", "message"),
-    [("", "no etcd endpoint"), ("nohost", "is not HOST:PORT"), ("https://h:1", "TLS")],
+    [("", "no etcd endpoint"), ("nohost", "is not HOST:PORT"), ("https://a:1,b:2", "mix https")],
 )
 def test_bad_endpoints_are_named(given: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -11,7 +11,18 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.options import EtcdOption, NamespaceOption, console, parse_labels
+from coordinator.cli.options import (
+    EtcdCaOption,
+    EtcdCertOption,
+    EtcdKeyOption,
+    EtcdOption,
+    EtcdPasswordFileOption,
+    EtcdUserOption,
+    NamespaceOption,
+    console,
+    etcd_security,
+    parse_labels,
+)
 
 
 def agent(
@@ -42,12 +53,20 @@ def agent(
     drain_seconds: Annotated[
         float, typer.Option(min=0, help="on SIGTERM, how long members may finish before SIGTERM")
     ] = 30.0,
+    etcd_ca: EtcdCaOption = None,
+    etcd_cert: EtcdCertOption = None,
+    etcd_key: EtcdKeyOption = None,
+    etcd_user: EtcdUserOption = None,
+    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
     from coordinator.etcd.client import Etcd, EtcdError
     from coordinator.service.agent import Agent, AgentOptions, AgentTaken
 
     labels = parse_labels(label)
+    endpoints = etcd or "127.0.0.1:2379"
+    # Exported into the environment too: the members this agent starts inherit it.
+    security = etcd_security(endpoints, etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
     options = AgentOptions(
         agent_id=agent_id or socket.gethostname(),
         slots=slots,
@@ -60,7 +79,7 @@ def agent(
         drain_seconds=drain_seconds,
     )
     try:
-        client = Etcd(etcd or "127.0.0.1:2379", namespace=namespace)
+        client = Etcd(endpoints, namespace=namespace, security=security)
     except EtcdError as exc:
         console.print(f"[red]cannot reach etcd: {exc}[/red]")
         raise typer.Exit(3) from None

@@ -25,13 +25,19 @@ from rich.table import Table
 
 from coordinator.cli.options import (
     ConnectTimeoutOption,
+    EtcdCaOption,
+    EtcdCertOption,
+    EtcdKeyOption,
     EtcdOption,
+    EtcdPasswordFileOption,
+    EtcdUserOption,
     JobKind,
     NamespaceOption,
     ParamOption,
     TimeoutOption,
     TtlOption,
     console,
+    etcd_security,
     parse_param_option,
 )
 from coordinator.etcd.server import EmbeddedEtcd
@@ -69,9 +75,16 @@ def worker(
         typer.Option(envvar="COORDINATOR_PORT", min=0, max=65535, help="endpoint port (0: any)"),
     ] = 0,
     param: ParamOption = None,
+    etcd_ca: EtcdCaOption = None,
+    etcd_cert: EtcdCertOption = None,
+    etcd_key: EtcdKeyOption = None,
+    etcd_user: EtcdUserOption = None,
+    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Run one member of a job: the entrypoint of a worker container."""
     params = parse_param_option(param)
+    # Exported into the environment, where the member's etcd client reads them.
+    etcd_security(etcd, etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
     code = run_worker(
         WorkerOptions(
             job_id=job,
@@ -130,8 +143,18 @@ def run(
     method: Annotated[
         str | None, typer.Option(help="step barrier (steps, mnist): bsp|ssp|asp|pbsp|pssp|dssp")
     ] = None,
+    etcd_ca: EtcdCaOption = None,
+    etcd_cert: EtcdCertOption = None,
+    etcd_key: EtcdKeyOption = None,
+    etcd_user: EtcdUserOption = None,
+    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
+    # Exported into the environment: the workers inherit it (a plain embedded etcd
+    # takes no TLS settings, so those need --etcd).
+    etcd_security(
+        etcd or "127.0.0.1:2379", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
+    )
     job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
     shortcuts = {"data": data, "rounds": rounds, "epochs": epochs, "method": method}
     param = [*(param or []), *(f"{k}={v}" for k, v in shortcuts.items() if v is not None)]

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from coordinator.etcd.client import parse_endpoints
+from coordinator.etcd.security import ENV, EtcdSecurity, SecurityError
 from coordinator.jobs import JOB_KINDS
 from coordinator.jobs.params import parse_params
 
@@ -55,6 +57,75 @@ ConnectTimeoutOption = Annotated[
         help="give up on reaching etcd after this many seconds",
     ),
 ]
+
+EtcdCaOption = Annotated[
+    str | None,
+    typer.Option(
+        "--etcd-ca",
+        envvar=ENV["ca"],
+        help="CA bundle (PEM) that signed etcd's certificate, for https:// endpoints "
+        "[the system's roots]",
+        show_default=False,
+    ),
+]
+EtcdCertOption = Annotated[
+    str | None,
+    typer.Option(
+        "--etcd-cert",
+        envvar=ENV["cert"],
+        help="client certificate (PEM), when etcd runs with --client-cert-auth",
+        show_default=False,
+    ),
+]
+EtcdKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--etcd-key", envvar=ENV["key"], help="the client certificate's key", show_default=False
+    ),
+]
+EtcdUserOption = Annotated[
+    str | None,
+    typer.Option(
+        "--etcd-user",
+        envvar=ENV["user"],
+        help="etcd user, when etcd has auth enabled",
+        show_default=False,
+    ),
+]
+EtcdPasswordFileOption = Annotated[
+    str | None,
+    typer.Option(
+        "--etcd-password-file",
+        envvar=ENV["password_file"],
+        help="file holding the etcd user's password (never given on the command line)",
+        show_default=False,
+    ),
+]
+
+
+def etcd_security(
+    endpoints: str,
+    ca: str | None,
+    cert: str | None,
+    key: str | None,
+    user: str | None,
+    password_file: str | None,
+) -> EtcdSecurity:
+    """The --etcd-* settings, checked (a bad one is a usage error naming it) and
+    exported into the environment, where the members this command starts find them."""
+    security = EtcdSecurity(ca, cert, key, user, password_file)
+    try:
+        parsed = parse_endpoints(endpoints)
+    except ValueError:  # bad endpoints: the command names them itself
+        parsed = []
+    try:
+        security.check()
+        if parsed:
+            security.check_endpoints(parsed)
+    except SecurityError as exc:
+        raise typer.BadParameter(str(exc), param_hint=exc.option) from None
+    security.export()
+    return security
 
 
 def parse_param_option(param: list[str] | None) -> dict[str, str]:

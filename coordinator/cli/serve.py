@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.options import EtcdOption, NamespaceOption, console
+from coordinator.cli.options import (
+    EtcdCaOption,
+    EtcdCertOption,
+    EtcdKeyOption,
+    EtcdOption,
+    EtcdPasswordFileOption,
+    EtcdUserOption,
+    NamespaceOption,
+    console,
+    etcd_security,
+)
 from coordinator.service.model import Launcher
 
 
@@ -69,15 +79,26 @@ def serve(
     k8s_etcd: Annotated[
         str | None, typer.Option(help="etcd endpoints HOST:PORT[,...] as pods reach them [--etcd]")
     ] = None,
+    etcd_ca: EtcdCaOption = None,
+    etcd_cert: EtcdCertOption = None,
+    etcd_key: EtcdKeyOption = None,
+    etcd_user: EtcdUserOption = None,
+    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
     import uvicorn
 
+    from coordinator.etcd.client import EtcdError
     from coordinator.service.auth import Tokens
     from coordinator.service.embedded import ServiceEtcd
     from coordinator.service.launchers import LauncherUnavailable
     from coordinator.service.runner import Service, ServiceOptions
 
+    # Exported into the environment too: the local members inherit it (the embedded
+    # etcd is plain, so TLS settings need --etcd).
+    security = etcd_security(
+        etcd or "127.0.0.1:2379", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
+    )
     tokens = None
     if token_file is not None:
         try:
@@ -124,9 +145,15 @@ def serve(
         k8s_image=k8s_image,
         k8s_namespace=k8s_namespace,
         k8s_etcd=k8s_etcd,
+        security=security,
     )
     try:
         service = Service(options)
+    except EtcdError as exc:  # unreachable, or a TLS or auth setting refused
+        if embedded is not None:
+            embedded.stop()
+        console.print(f"[red]cannot reach etcd: {exc}[/red]")
+        raise typer.Exit(3) from None
     except LauncherUnavailable as exc:  # e.g. a loopback --k8s-etcd, no cluster configured
         if embedded is not None:
             embedded.stop()

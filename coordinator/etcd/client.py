@@ -24,7 +24,10 @@ from typing import Literal, TypeVar
 
 import grpc
 from pyetcd import etcdrpc
+from pyetcd.exceptions import RevisionCompactedError
 from pyetcd.watch import Watcher
+
+from coordinator.etcd.security import EtcdSecurity, SecurityError, TokenAuth, token_rejected
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,19 @@ class LeaseNotFound(EtcdError):
     """The lease a write was bound to has expired or been revoked."""
 
 
+class EtcdRefused(EtcdUnavailable):
+    """etcd answered but will not serve us: a TLS or auth setting is wrong.
+
+    An `EtcdUnavailable`, so every command exits 3 on it as when etcd is down,
+    with a message that names the cause instead of a timeout. `cause` is one of
+    `credentials`, `client-certificate`, `untrusted-server`, `permission-denied`.
+    """
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 @dataclass(frozen=True)
 class KeyValue:
     key: str
@@ -75,21 +91,25 @@ class WatchEvent:
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
-    """`"h1:2379,h2:2379"` or a list, with or without `http://`, to `["h1:2379", ...]`."""
+    """`"h1:2379,h2:2379"` or a list, with or without `http://`, to `["h1:2379", ...]`.
+
+    `https://HOST:PORT` endpoints (TLS) keep their scheme, so the endpoints can be
+    handed on to members as they are; TLS and plain endpoints cannot be mixed.
+    """
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = []
     for item in items:
         item = item.strip().removeprefix("http://").rstrip("/")
         if not item:
             continue
-        if item.startswith("https://"):
-            raise ValueError(f"etcd endpoint {item!r}: TLS endpoints are not supported yet")
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {item!r} is not HOST:PORT")
+        host, sep, port = item.removeprefix("https://").rpartition(":")
+        if not sep or not host or not port.isdigit() or "://" in host:
+            raise ValueError(f"etcd endpoint {item!r} is not HOST:PORT or https://HOST:PORT")
         parsed.append(item)
     if not parsed:
         raise ValueError("no etcd endpoint given")
+    if len({e.startswith("https://") for e in parsed}) > 1:
+        raise ValueError(f"etcd endpoints {','.join(parsed)} mix https:// and plain ones")
     return parsed
 
 
@@ -272,11 +292,22 @@ def _kv(kv: etcdrpc.KeyValue) -> KeyValue:
 
 
 class Watch:
-    """A watch that survives disconnects by re-watching from its last revision + 1.
+    """A watch that survives disconnects by re-watching from its last revision + 1,
+    and compaction by re-reading what it watches.
 
     `callback` gets lists of `WatchEvent`s, in revision order, from a library
     thread; it must be quick and must not block. With `prev_kv=False` their
     `prev_value` is empty (etcd then need not look it up).
+
+    If the revision to resume from has been compacted, the changes in between are
+    gone from etcd's history. The watch then reads the watched keys as they are
+    now and delivers the difference from what it last knew as events: a put for
+    each key that is new or changed, a delete for each key it knew that is gone
+    (with the value it knew). Then it watches from after that read. So no waiter
+    misses a condition that became true meanwhile; it may see a key's final
+    value without the values in between. To know what is gone, the watch keeps
+    the last value of every key it has seen; an `only_deletes` watch reads its
+    keys once when it starts and follows their puts (without delivering them).
     """
 
     def __init__(
@@ -294,15 +325,37 @@ class Watch:
         self._key = key
         self._range_end = prefix_end(key) if prefix else None
         self._callback = callback
-        self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else None
+        self._only_deletes = only_deletes
         self._next_revision = start_revision
+        self._known: dict[str, bytes] = {}  # key -> its last value seen
         self._lock = threading.Lock()
         self._closed = False
         self._watch_id: int | None = None
+        if only_deletes or start_revision == 0:
+            # "From now" pinned to a revision, so a reconnect resumes there, not at a later
+            # "now"; and the keys that exist now, whose deletion must be seen after a
+            # compaction too.
+            kvs, revision = self._read(keys=only_deletes)
+            self._next_revision = revision + 1 if start_revision == 0 else start_revision
+            if only_deletes:
+                self._known = {kv.key: kv.value for kv in kvs}
         self._register()
+
+    def _read(self, keys: bool = True) -> tuple[list[KeyValue], int]:
+        """The watched keys now (`keys=False`: none, only the revision), and the revision."""
+        request = etcdrpc.RangeRequest(
+            key=self._key.encode(), range_end=self._range_end or b"", count_only=not keys
+        )
+        response = self._etcd._call(
+            lambda: self._etcd._kv().Range(request, timeout=self._etcd.timeout)
+        )
+        return [_kv(kv) for kv in response.kvs], response.header.revision
 
     def _register(self) -> None:
         def on_response(response: object) -> None:
+            if isinstance(response, RevisionCompactedError):
+                self._on_compacted(response.compacted_revision)
+                return
             if response is None or isinstance(response, Exception):
                 self._on_broken(response)
                 return
@@ -326,18 +379,76 @@ class Watch:
                 if self._closed:
                     return
                 self._next_revision = events[-1].revision + 1
-            self._callback(events)
+                self._remember(events)
+            if self._only_deletes:
+                events = [e for e in events if e.kind == "delete"]
+            if events:
+                self._callback(events)
 
-        self._watch_id = self._etcd._call(
-            lambda: self._etcd._watcher().add_callback(
-                self._key,
-                on_response,
-                range_end=self._range_end,
-                start_revision=self._next_revision,
-                filters=self._filters,
-                prev_kv=self._prev_kv,
+        try:
+            self._watch_id = self._etcd._call(
+                lambda: self._etcd._watcher().add_callback(
+                    self._key,
+                    on_response,
+                    range_end=self._range_end,
+                    start_revision=self._next_revision,
+                    prev_kv=self._prev_kv,
+                )
             )
-        )
+        except RevisionCompactedError as exc:  # compacted before the watch was created
+            self._resync(exc.compacted_revision)
+            self._register()
+
+    def _remember(self, events: list[WatchEvent]) -> None:
+        for event in events:
+            if event.kind == "put":
+                self._known[event.key] = event.value
+            else:
+                self._known.pop(event.key, None)
+
+    def _on_compacted(self, compacted: int) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        threading.Thread(
+            target=self._resync_and_resume, args=(compacted,), daemon=True, name="etcd-watch-resync"
+        ).start()
+
+    def _resync_and_resume(self, compacted: int) -> None:
+        try:
+            self._resync(compacted)
+        except EtcdError as exc:
+            log.debug("watch resync on %s failed: %s", self._key, exc)
+        self._resume()
+
+    def _resync(self, compacted: int) -> None:
+        """Deliver what changed while the history was compacted away, from a fresh read."""
+        kvs, revision = self._read()
+        present = {kv.key: kv for kv in kvs}
+        with self._lock:
+            if self._closed:
+                return
+            log.info(
+                "watch on %s: revision %d is compacted (up to %d); re-read at %d",
+                self._key, self._next_revision, compacted, revision,
+            )  # fmt: skip
+            events = [
+                WatchEvent("delete", key, b"", value, revision)
+                for key, value in self._known.items()
+                if key not in present
+            ]
+            if not self._only_deletes:
+                for kv in kvs:
+                    before = self._known.get(kv.key)
+                    if before != kv.value:
+                        events.append(
+                            WatchEvent("put", kv.key, kv.value, before or b"", kv.mod_revision,
+                                       kv.create_revision)
+                        )  # fmt: skip
+            self._known = {kv.key: kv.value for kv in kvs}
+            self._next_revision = revision + 1
+        if events:
+            self._callback(events)
 
     def _on_broken(self, error: Exception | None) -> None:
         with self._lock:
@@ -370,7 +481,12 @@ class Watch:
 
 
 class Etcd:
-    """A connection to an etcd cluster, with every key under `namespace`."""
+    """A connection to an etcd cluster, with every key under `namespace`.
+
+    `https://` endpoints connect over TLS, and `security` gives the CA bundle,
+    client certificate and etcd user; without it, the COORDINATOR_ETCD_*
+    environment variables do (so members launched with them need no wiring).
+    """
 
     def __init__(
         self,
@@ -379,11 +495,19 @@ class Etcd:
         timeout: float = 5.0,
         connect_timeout: float = 10.0,
         retry_window: float | None = None,
+        security: EtcdSecurity | None = None,
     ) -> None:
-        self.endpoints = parse_endpoints(endpoints)
+        parsed = parse_endpoints(endpoints)
+        self.security = EtcdSecurity.from_env() if security is None else security
+        self.security.check_endpoints(parsed)
+        self.secure = parsed[0].startswith("https://")
+        # Bare HOST:PORT, as address lookups want them; `urls` gives them to members.
+        self.endpoints = [e.removeprefix("https://") for e in parsed]
         self.namespace = "/" + namespace.strip("/") if namespace.strip("/") else ""
         self.timeout = timeout
         self.retry_window = connect_timeout if retry_window is None else retry_window
+        self._credentials = self._tls_credentials() if self.secure else None
+        self._auth = TokenAuth(self.security, timeout) if self.security.authenticates else None
         self._lock = threading.Lock()
         self._index = 0
         self._channel: grpc.Channel | None = None
@@ -394,18 +518,54 @@ class Etcd:
 
     # -- connection -------------------------------------------------------
 
+    @property
+    def urls(self) -> list[str]:
+        """The endpoints as members must be given them (`https://` kept)."""
+        return [f"https://{e}" if self.secure else e for e in self.endpoints]
+
+    def _tls_credentials(self) -> grpc.ChannelCredentials:
+        files = {}
+        for name in ("ca", "cert", "key"):
+            try:
+                files[name] = self.security.read(name)
+            except OSError as exc:
+                raise EtcdError(f"cannot read --etcd-{name}: {exc}") from None
+        return grpc.ssl_channel_credentials(
+            root_certificates=files["ca"], private_key=files["key"], certificate_chain=files["cert"]
+        )
+
     def _connect(self, connect_timeout: float) -> None:
+        # One transaction that etcd's auth checks for reading and writing the namespace
+        # (it checks both branches) but that writes nothing: its condition never holds.
+        # A user without rights on the prefix is refused here, not in the middle of a job.
+        prefix = self.namespace + "/"
+        probe = etcdrpc.TxnRequest(
+            compare=[
+                etcdrpc.Compare(
+                    key=prefix.encode(),
+                    result=etcdrpc.Compare.LESS,
+                    target=etcdrpc.Compare.VERSION,
+                    version=0,
+                )
+            ],
+            success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=prefix.encode()))],
+            failure=[
+                etcdrpc.RequestOp(
+                    request_range=etcdrpc.RangeRequest(
+                        key=prefix.encode(), range_end=prefix_end(prefix), count_only=True
+                    )
+                )
+            ],
+        )
         try:
-            self._call(
-                lambda: self._kv().Range(
-                    etcdrpc.RangeRequest(key=b"\0", count_only=True), timeout=self.timeout
-                ),
-                window=connect_timeout,
-            )
+            self._call(lambda: self._kv().Txn(probe, timeout=self.timeout), window=connect_timeout)
+        except EtcdRefused:
+            self.close()
+            raise
         except EtcdUnavailable as exc:
             self.close()
             raise EtcdUnavailable(
-                f"cannot reach etcd at {','.join(self.endpoints)} within "
+                f"cannot reach etcd at {','.join(self.urls)} within "
                 f"{connect_timeout:g}s: {exc.reason}"
             ) from exc.__cause__
 
@@ -416,13 +576,20 @@ class Etcd:
             if self._stubs is None:
                 # A connection of its own: gRPC would otherwise share one between
                 # all clients of a process, and members in threads would queue on it.
-                self._channel = grpc.insecure_channel(
-                    self.endpoints[self._index], options=[("grpc.use_local_subchannel_pool", 1)]
-                )
+                target = self.endpoints[self._index]
+                options = [("grpc.use_local_subchannel_pool", 1)]
+                if self._credentials is not None:
+                    self._channel = grpc.secure_channel(target, self._credentials, options=options)
+                else:
+                    self._channel = grpc.insecure_channel(target, options=options)
+                channel = self._channel
+                if self._auth is not None:  # every call, the watch stream too, carries the token
+                    self._auth.bind(self._channel)
+                    channel = grpc.intercept_channel(self._channel, self._auth)
                 self._stubs = (
-                    etcdrpc.KVStub(self._channel),
-                    etcdrpc.LeaseStub(self._channel),
-                    Watcher(etcdrpc.WatchStub(self._channel), timeout=self.timeout),
+                    etcdrpc.KVStub(channel),
+                    etcdrpc.LeaseStub(channel),
+                    Watcher(etcdrpc.WatchStub(channel), timeout=self.timeout),
                 )
             return self._stubs
 
@@ -460,9 +627,16 @@ class Etcd:
                 code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
                 if "requested lease not found" in details:
                     raise LeaseNotFound(details) from exc
-                if code not in _TRANSIENT:
+                refusal = self._refusal(code, details)
+                if refusal is not None:
+                    raise refusal from exc
+                if self._auth is not None and token_rejected(code, details):
+                    self._auth.invalidate()  # the retry authenticates again
+                elif code not in _TRANSIENT:
                     raise EtcdError(f"etcd refused the request: {code.name}: {details}") from exc
                 cause: Exception = exc
+            except SecurityError as exc:  # the password file went away
+                raise EtcdRefused("credentials", str(exc)) from exc
             except Exception as exc:  # the watch stream reports its failures as plain errors
                 if type(exc).__name__ not in ("WatchTimedOut", "ConnectionFailedError"):
                     raise
@@ -475,6 +649,54 @@ class Etcd:
             self._rotate()
             time.sleep(delay)  # back-off between retries of a failed request
             delay = min(delay * 2, 1.0)
+
+    def _refusal(self, code: grpc.StatusCode, details: str) -> EtcdRefused | None:
+        """The TLS or auth setting a failure points at, if it is one (retries cannot fix it)."""
+        at = ",".join(self.urls)
+        user = self.security.user
+        who = f"user {user!r}" if user else "the client certificate's user (its CN)"
+        if code == grpc.StatusCode.UNAVAILABLE and "handshake failed" in details.lower():
+            # gRPC's text ends with OpenSSL's reason: "...OPENSSL_internal:<REASON>: OK".
+            reason = details.rsplit("OPENSSL_internal:", 1)[-1].removesuffix(": OK")
+            if "CERTIFICATE_VERIFY_FAILED" in details or "peer certificate" in details:
+                bundle = self.security.ca or "the system's CA roots"
+                return EtcdRefused(
+                    "untrusted-server",
+                    f"untrusted server: the certificate of etcd at {at} is not signed by the "
+                    f"CA in {bundle}, or does not name that host (--etcd-ca): {reason}",
+                )
+            if "ALERT" in details:  # etcd's alert: a bad, missing or unknown certificate
+                if not self.security.cert:
+                    return EtcdRefused(
+                        "client-certificate",
+                        f"missing client certificate: etcd at {at} requires one "
+                        f"(--etcd-cert and --etcd-key): {reason}",
+                    )
+                return EtcdRefused(
+                    "client-certificate",
+                    f"client certificate refused: etcd at {at} does not accept "
+                    f"{self.security.cert} (signed by a CA etcd does not trust, or expired): "
+                    f"{reason}",
+                )
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in details:
+            return EtcdRefused(
+                "credentials",
+                f"wrong credentials: etcd at {at} rejected {who} with the password in "
+                f"{self.security.password_file} (--etcd-user, --etcd-password-file)",
+            )
+        if "user name is empty" in details and self._auth is None:
+            return EtcdRefused(  # (with credentials, the token was lost: authenticate again)
+                "credentials",
+                f"missing credentials: etcd at {at} has auth enabled; give --etcd-user and "
+                "--etcd-password-file (or a client certificate whose CN is an etcd user)",
+            )
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return EtcdRefused(
+                "permission-denied",
+                f"permission denied: etcd at {at} does not let {who} read and write "
+                f"{self.namespace}/ (grant it a role on that prefix: docs/security.md)",
+            )
+        return None
 
     def close(self) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -46,19 +47,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS for the client port: etcd's certificate and key, and the CA of the clients.
+
+    With `client_cert_auth`, etcd refuses clients without a certificate that CA
+    signed (etcd's `--client-cert-auth`).
+    """
+
+    cert: Path
+    key: Path
+    client_ca: Path
+    client_cert_auth: bool = True
+
+
 class EmbeddedEtcd:
-    """Start with `start()` (or a `with` block); `endpoint` is then `127.0.0.1:PORT`."""
+    """Start with `start()` (or a `with` block); `endpoint` is then `127.0.0.1:PORT`,
+    or `https://127.0.0.1:PORT` with `tls`."""
 
     def __init__(
         self,
         data_dir: str | Path | None = None,
         startup_timeout: float = 20.0,
         extra_args: list[str] | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="coordinator-etcd-"))
         self.client_port = free_port()
         self.peer_port = free_port()
+        # With TLS, health is asked on a plain metrics port (the client port wants a
+        # client certificate).
+        self.tls = tls
+        self.health_port = free_port() if tls else self.client_port
         self.startup_timeout = startup_timeout
         self.extra_args = extra_args or []
         self.process: subprocess.Popen[bytes] | None = None
@@ -66,12 +87,13 @@ class EmbeddedEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        scheme = "https://" if self.tls else ""
+        return f"{scheme}127.0.0.1:{self.client_port}"
 
     def start(self) -> EmbeddedEtcd:
         if self.process is not None:
             raise EtcdServerError("embedded etcd is already running")
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         args = [
             find_etcd_binary(),
@@ -83,6 +105,7 @@ class EmbeddedEtcd:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"embedded={peer_url}",
             "--log-level", "error",
+            *self._tls_args(),
             *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
@@ -98,9 +121,20 @@ class EmbeddedEtcd:
             raise
         return self
 
+    def _tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return [
+            "--cert-file", str(self.tls.cert),
+            "--key-file", str(self.tls.key),
+            "--trusted-ca-file", str(self.tls.client_ca),
+            *(["--client-cert-auth"] if self.tls.client_cert_auth else []),
+            "--listen-metrics-urls", f"http://127.0.0.1:{self.health_port}",
+        ]  # fmt: skip
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        url = f"http://127.0.0.1:{self.client_port}/health"
+        url = f"http://127.0.0.1:{self.health_port}/health"
         last_error = "no answer"
         while time.monotonic() < deadline:
             assert self.process is not None

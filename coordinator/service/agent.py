@@ -139,7 +139,7 @@ class Agent:
             run_id=assignment["run_id"],
             attempt=assignment["attempt"],
             spec=JobSpec(kind="noop", workers=1),  # the local launcher reads only the args
-            worker_args=with_etcd(assignment["worker_args"], ",".join(self.etcd.endpoints)),
+            worker_args=with_etcd(assignment["worker_args"], ",".join(self.etcd.urls)),
         )
         member = self.launcher.start(launch, assignment["index"])
         with self._lock:

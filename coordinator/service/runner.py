@@ -17,6 +17,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.service.api import ApiContext, create_app
 from coordinator.service.auth import Tokens
 from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
@@ -51,13 +52,16 @@ class ServiceOptions:
     k8s_image: str | None = None
     k8s_namespace: str | None = None
     k8s_etcd: str | None = None
+    # TLS and auth of the service's etcd client (None: the COORDINATOR_ETCD_* variables).
+    # Local members inherit them from the environment (`serve` exports them there).
+    security: EtcdSecurity | None = None
 
 
 class Service:
     def __init__(self, options: ServiceOptions) -> None:
         self.options = options
         os.environ.setdefault("COORDINATOR_ARTIFACTS", str(options.data_dir / "artifacts"))
-        self.etcd = Etcd(options.etcd, namespace=options.namespace)
+        self.etcd = Etcd(options.etcd, namespace=options.namespace, security=options.security)
         self.store = JobStore(self.etcd, mirror=True)
         self.launchers: dict[Launcher, WorkerLauncher] = {
             Launcher.LOCAL: LocalLauncher(options.data_dir / "logs"),

@@ -1,0 +1,214 @@
+"""Watches survive compaction: a real etcd, compacted by hand while a watch is away.
+
+A watch goes away when its connection breaks; here a loopback proxy between the
+client and etcd is cut, keys change and etcd compacts its history, then the
+proxy comes back. The watch must resume from a fresh read, not wait forever
+for a history that no longer exists.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pyetcd import etcdrpc
+
+from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.rendezvous.member import Member
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.one_etcd
+
+
+class CuttableProxy:
+    """A TCP proxy on loopback whose connections can all be cut, and refused, at will."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.open = threading.Event()
+        self.open.set()
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open.is_set():
+                client.close()  # refused while cut
+                continue
+            upstream = socket.create_connection(self.target)
+            with self.lock:
+                self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                end.close()
+
+    def cut(self) -> None:
+        self.open.clear()
+        with self.lock:
+            for sock in self.sockets:
+                sock.close()
+            self.sockets.clear()
+
+    def restore(self) -> None:
+        self.open.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.cut()
+        self.listener.close()
+
+
+@pytest.fixture
+def proxy(etcd_server: EmbeddedEtcd) -> Iterator[CuttableProxy]:
+    running = CuttableProxy(etcd_server.endpoint)
+    yield running
+    running.close()
+
+
+def compact(etcd: Etcd) -> int:
+    """Compact etcd's history up to now; returns that revision."""
+    revision = etcd.put(etcd.key("compaction", "marker"), "x")
+    request = etcdrpc.CompactionRequest(revision=revision, physical=True)
+    etcd._kv().Compact(request, timeout=10)
+    return revision
+
+
+class Collected:
+    def __init__(self) -> None:
+        self.events: list[WatchEvent] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, events: list[WatchEvent]) -> None:
+        with self.lock:
+            self.events += events
+
+    def seen(self, kind: str, key: str, value: bytes | None = None) -> bool:
+        with self.lock:
+            return any(
+                e.kind == kind and e.key == key and (value is None or e.value == value)
+                for e in self.events
+            )
+
+
+def test_a_watch_from_a_compacted_revision_starts_from_the_current_state(etcd: Etcd) -> None:
+    prefix = etcd.key("w1") + "/"
+    first = etcd.put(prefix + "a", "1")
+    etcd.put(prefix + "a", "2")
+    etcd.put(prefix + "b", "1")
+    compact(etcd)
+    got = Collected()
+    watch = etcd.watch(prefix, got, start_revision=first, prefix=True)
+    try:
+        wait_until(lambda: got.seen("put", prefix + "a", b"2"), 10, "the current a")
+        assert got.seen("put", prefix + "b", b"1")
+        etcd.put(prefix + "c", "1")  # and then it watches on as usual
+        wait_until(lambda: got.seen("put", prefix + "c", b"1"), 10, "a later put")
+    finally:
+        watch.cancel()
+
+
+def test_a_broken_watch_resumes_past_a_compaction_with_what_changed(
+    etcd: Etcd, proxy: CuttableProxy
+) -> None:
+    prefix = etcd.key("w2") + "/"
+    etcd.put(prefix + "gone", "1")
+    etcd.put(prefix + "kept", "1")
+    got, deletes = Collected(), Collected()
+    with Etcd(proxy.endpoint, namespace=etcd.namespace) as via_proxy:
+        watch = via_proxy.watch(prefix, got, start_revision=1, prefix=True)
+        only = via_proxy.watch(prefix, deletes, start_revision=0, prefix=True, only_deletes=True)
+        try:
+            wait_until(lambda: got.seen("put", prefix + "kept", b"1"), 10, "the first puts")
+            proxy.cut()
+            etcd.delete(prefix + "gone")
+            etcd.put(prefix + "kept", "2")
+            etcd.put(prefix + "new", "1")
+            compact(etcd)
+            proxy.restore()
+            wait_until(lambda: got.seen("put", prefix + "new", b"1"), 30, "the resync")
+            assert got.seen("put", prefix + "kept", b"2")
+            assert got.seen("delete", prefix + "gone")
+            gone = next(e for e in got.events if e.kind == "delete")
+            assert gone.prev_value == b"1"  # the value the watch knew
+            wait_until(lambda: deletes.seen("delete", prefix + "gone"), 30, "the hidden delete")
+            assert not any(e.kind == "put" for e in deletes.events)  # only deletes, still
+        finally:
+            watch.cancel()
+            only.cancel()
+
+
+def test_a_compaction_during_a_barrier_wait_does_not_stall_it(
+    etcd_server: EmbeddedEtcd, namespace: str, proxy: CuttableProxy
+) -> None:
+    """Rank 0 waits at a barrier through the proxy; while it is cut, the other member
+    arrives (the barrier opens) and etcd compacts; rank 0 passes once it is back,
+    long before its timeout."""
+    timeout = 60.0
+    arrived = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def through_proxy() -> None:
+        try:
+            with (
+                Etcd(proxy.endpoint, namespace=namespace, connect_timeout=30) as etcd,
+                Member(etcd, "compacted", 2, ttl=30, timeout=timeout) as member,
+            ):
+                member.rendezvous()
+                arrived.set()
+                began = time.monotonic()
+                member.barrier("gate")
+                outcome["waited"] = time.monotonic() - began
+                member.cleaner()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    def direct() -> None:
+        with (
+            Etcd(etcd_server.endpoint, namespace=namespace) as etcd,
+            Member(etcd, "compacted", 2, ttl=30, timeout=timeout) as member,
+        ):
+            member.rendezvous()
+            wait_until(arrived.is_set, 30, "the other member at the barrier")
+            wait_until(lambda: _waiting_at_gate(etcd), 30, "its arrival at the gate")
+            proxy.cut()
+            member.barrier("gate")  # completes the barrier while the other is away
+            compact(etcd)
+            proxy.restore()
+            member.cleaner()
+
+    threads = [threading.Thread(target=through_proxy), threading.Thread(target=direct)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 30)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["waited"] < timeout / 2, f"waited {outcome['waited']:.1f}s"
+
+
+def _waiting_at_gate(etcd: Etcd) -> bool:
+    kvs, _ = etcd.get_prefix(etcd.key("jobs", "compacted", "rendezvous", "barriers") + "/")
+    return any("/gate/" in kv.key and "/arrived/" in kv.key for kv in kvs)
