@@ -38,6 +38,7 @@ import requests
 from docker.errors import APIError, DockerException, NotFound
 from docker.models.containers import Container
 
+from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation, with_etcd
 from coordinator.service.model import Member
 
@@ -158,6 +159,7 @@ class DockerLauncher:
     ) -> Container:
         """Create and start the member (the image's entrypoint is `coordinator`)."""
         run_id, attempt = launch.run_id, launch.attempt
+        environment, files = _etcd_security()
         return client.containers.run(
             self.image,
             ["worker", *with_etcd(launch.worker_args, self.container_etcd)],
@@ -165,7 +167,8 @@ class DockerLauncher:
             detach=True,
             network=self.network_name,
             labels={RUN_LABEL: run_id, ATTEMPT_LABEL: str(attempt), INDEX_LABEL: str(index)},
-            environment={"PYTHONUNBUFFERED": "1"},
+            environment={"PYTHONUNBUFFERED": "1", **environment},
+            volumes=files,
         )
 
     def exit_code(self, member: Member) -> int | None:
@@ -234,3 +237,18 @@ class DockerLauncher:
             return client.containers.get(name)
         except NotFound:
             return None
+
+
+def _etcd_security() -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The service's etcd TLS and auth settings for a member container: the variables,
+    and each file mounted read-only at the same path (uid 10001 must be able to read it)."""
+    security = EtcdSecurity.from_env()
+    environment: dict[str, str] = {}
+    files: dict[str, dict[str, str]] = {}
+    for name, variable in ENV.items():
+        value = getattr(security, name)
+        if value:
+            environment[variable] = value
+            if name != "user":
+                files[value] = {"bind": value, "mode": "ro"}
+    return environment, files
