@@ -3,7 +3,8 @@
 A watch goes away when its connection breaks; here a loopback proxy between the
 client and etcd is cut, keys change and etcd compacts its history, then the
 proxy comes back. The watch must resume from a fresh read, not wait forever
-for a history that no longer exists.
+for a history that no longer exists. The etcd here is the module's own: a
+compacted history would change what other tests replay.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.rendezvous.member import Member
 from tests.conftest import wait_until
 
-pytestmark = pytest.mark.one_etcd
+pytestmark = pytest.mark.one_etcd  # its own etcd (see above)
 
 
 class CuttableProxy:
@@ -82,9 +83,21 @@ class CuttableProxy:
         self.listener.close()
 
 
+@pytest.fixture(scope="module")
+def own_etcd() -> Iterator[EmbeddedEtcd]:
+    with EmbeddedEtcd() as server:
+        yield server
+
+
 @pytest.fixture
-def proxy(etcd_server: EmbeddedEtcd) -> Iterator[CuttableProxy]:
-    running = CuttableProxy(etcd_server.endpoint)
+def etcd(own_etcd: EmbeddedEtcd, namespace: str) -> Iterator[Etcd]:
+    with Etcd(own_etcd.endpoint, namespace=namespace) as client:
+        yield client
+
+
+@pytest.fixture
+def proxy(own_etcd: EmbeddedEtcd) -> Iterator[CuttableProxy]:
+    running = CuttableProxy(own_etcd.endpoint)
     yield running
     running.close()
 
@@ -162,7 +175,7 @@ def test_a_broken_watch_resumes_past_a_compaction_with_what_changed(
 
 
 def test_a_compaction_during_a_barrier_wait_does_not_stall_it(
-    etcd_server: EmbeddedEtcd, namespace: str, proxy: CuttableProxy
+    own_etcd: EmbeddedEtcd, namespace: str, proxy: CuttableProxy
 ) -> None:
     """Rank 0 waits at a barrier through the proxy; while it is cut, the other member
     arrives (the barrier opens) and etcd compacts; rank 0 passes once it is back,
@@ -188,7 +201,7 @@ def test_a_compaction_during_a_barrier_wait_does_not_stall_it(
 
     def direct() -> None:
         with (
-            Etcd(etcd_server.endpoint, namespace=namespace) as etcd,
+            Etcd(own_etcd.endpoint, namespace=namespace) as etcd,
             Member(etcd, "compacted", 2, ttl=30, timeout=timeout) as member,
         ):
             member.rendezvous()

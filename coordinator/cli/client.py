@@ -16,6 +16,7 @@ import httpx
 import typer
 from httpx_sse import SSEError, connect_sse
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -82,7 +83,7 @@ class Api:
 
 def _refused(response: httpx.Response) -> NoReturn:
     """Say why the service refused, and end the command: 2 for a refusal, 1 for its fault."""
-    err.print(f"[red]{response.status_code}: {_detail(response)}[/red]")
+    err.print(f"[red]{response.status_code}: {escape(_detail(response))}[/red]")
     raise typer.Exit(2 if response.status_code < 500 else 1)
 
 

@@ -19,6 +19,8 @@ def etcd_server() -> None:
     with EmbeddedEtcd() as server:
         console.print(f"etcd listening at [bold]{server.endpoint}[/bold]; Ctrl-C stops it")
         print(server.endpoint, flush=True)
+        # SIGTERM too stops it here, so its etcd (in a session of its own) goes with it.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
 

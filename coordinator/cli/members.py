@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -262,7 +263,9 @@ def _report(workers: list[LocalWorker]) -> int:
     failed = [w for w in workers if w.exit_code != 0]
     for w in failed:
         reason = w.failed["message"] if w.failed else (w.stderr[-1] if w.stderr else "no output")
-        console.print(f"[red]worker {w.index} (rank {w.rank}) exited {w.exit_code}:[/red] {reason}")
+        console.print(
+            f"[red]worker {w.index} (rank {w.rank}) exited {w.exit_code}:[/red] {escape(reason)}"
+        )
     if failed:
         return next(w.exit_code for w in failed if w.exit_code is not None) or 1
     console.print(f"[green]all {len(workers)} workers passed every phase and cleaned up[/green]")

@@ -10,6 +10,13 @@ from coordinator.simulator.engine import Result
 
 COLUMNS = ["worker", "final_step", "wait_seconds", "max_gap"]
 
+#: How to get the plot: matplotlib is an extra, so a plain install still simulates.
+SIM_EXTRA = "pip install 'etcd-coordinator[sim]'"
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib (the `sim` extra) is not installed: the numbers exist, the plot cannot."""
+
 
 def write_csv(results: Sequence[Result], path: Path) -> None:
     """worker, final_step, wait_seconds, max_gap; a leading `method` column if several ran."""
@@ -36,11 +43,19 @@ def summary(result: Result) -> dict[str, float | int | str]:
 
 
 def plot(results: Sequence[Result], path: Path, title: str | None = None) -> None:
-    """CDF of final steps, one curve per method (the Owl chapter's step-progress figure)."""
-    import matplotlib  # lazily: only plotting needs it, and never a display
+    """CDF of final steps, one curve per method (the Owl chapter's step-progress figure).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Raises `PlotUnavailable`, naming the extra, when matplotlib cannot be imported.
+    """
+    try:
+        import matplotlib  # lazily: only plotting needs it, and never a display
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlotUnavailable(
+            f"the plot needs matplotlib ({exc.name or 'matplotlib'} is missing): {SIM_EXTRA}"
+        ) from None
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     try:
