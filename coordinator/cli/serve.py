@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +19,7 @@ from coordinator.cli.options import (
     console,
     etcd_security,
 )
+from coordinator.rendezvous.address import is_loopback
 from coordinator.service.model import Launcher
 
 
@@ -105,7 +105,7 @@ def serve(
             tokens = Tokens.load(token_file)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--token-file") from None
-    elif not insecure and not _loopback(host):
+    elif not insecure and not is_loopback(host):
         raise typer.BadParameter(
             f"{host} is not loopback: give --token-file, or --insecure to serve without auth",
             param_hint="--host",
@@ -167,12 +167,3 @@ def serve(
         service.stop()
         if embedded is not None and idle:  # else its members still need it: it stays up
             embedded.stop()
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -8,6 +8,7 @@ a UDP `connect` picks that route and sends nothing.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -37,3 +38,20 @@ def advertise_address(etcd_endpoints: list[str], override: str | None = None) ->
         if found:
             return found
     return socket.gethostbyname(socket.gethostname())
+
+
+def is_loopback(host: str) -> bool:
+    """`host` (a name or an address) is this machine's own loopback, which another
+    container or pod cannot reach."""
+    host = host.strip().strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: resolved wherever it is used
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of `[scheme://]HOST:PORT`."""
+    return endpoint.strip().split("://")[-1].rpartition(":")[0].strip("[]")

@@ -29,7 +29,6 @@ tick. `start` raises, and the reconciler fails the attempt naming why.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 
@@ -39,6 +38,7 @@ from docker.errors import APIError, DockerException, NotFound
 from docker.models.containers import Container
 
 from coordinator.etcd.security import ENV, EtcdSecurity
+from coordinator.rendezvous.address import endpoint_host, is_loopback
 from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation, with_etcd
 from coordinator.service.model import Member
 
@@ -57,23 +57,13 @@ def container_endpoints(service_etcd: str, seen_from_containers: str | None) -> 
     service's own, which must then not be loopback (a container's loopback is its own)."""
     if seen_from_containers:
         return seen_from_containers
-    loopback = [e for e in service_etcd.split(",") if e.strip() and _is_loopback(e)]
+    loopback = [e for e in service_etcd.split(",") if e.strip() and is_loopback(endpoint_host(e))]
     if loopback:
         raise ValueError(
             f"etcd at {', '.join(loopback)} is loopback, which containers cannot reach: "
             "give --etcd at an address they reach, or --docker-etcd HOST:PORT as they see it"
         )
     return service_etcd
-
-
-def _is_loopback(endpoint: str) -> bool:
-    host = endpoint.strip().split("://")[-1].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: resolved wherever the worker runs
 
 
 class DockerLauncher:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import ipaddress
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from coordinator.deploy import k8s
 from coordinator.etcd.client import parse_endpoints
+from coordinator.rendezvous.address import endpoint_host, is_loopback
 from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation, with_etcd
 from coordinator.service.model import Member
 
@@ -97,12 +97,7 @@ def _pod_endpoints(etcd: str) -> str:
     """The endpoints normalised; loopback refused, since a pod's loopback is its own."""
     endpoints = parse_endpoints(etcd)
     for endpoint in endpoints:
-        host = endpoint.split("://")[-1].rpartition(":")[0].strip("[]")
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if loopback:
+        if is_loopback(endpoint_host(endpoint)):
             raise ValueError(
                 f"etcd at {endpoint} is loopback, which pods cannot reach: give the "
                 "endpoints as pods see them (e.g. etcd:2379)"
