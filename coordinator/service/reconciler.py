@@ -8,8 +8,11 @@ restarted or newly elected leader adopts running members; it neither orphans
 nor duplicates them (starting a member is idempotent, see `launchers`).
 
 - Queue: jobs start in order of priority, then arrival, each as a whole (all
-  its members or none) when the free worker slots allow; a job that does not
-  fit holds back those behind it, so a big job is never starved by small ones.
+  its members or none) when there is room: the service's own worker slots for
+  local and docker members, the launcher's `reserve` for the others (agents'
+  slots, written in the same transaction as the move to STARTING). A job that
+  does not fit holds back those behind it on the same launcher, so a big job is
+  never starved by small ones.
 - Following: each member's JSON events give its rank, phase, failure and the
   job's progress (rounds or steps and the latest metrics). When every member
   passed `connect` the job is RUNNING.
