@@ -306,8 +306,10 @@ class Watch:
     (with the value it knew). Then it watches from after that read. So no waiter
     misses a condition that became true meanwhile; it may see a key's final
     value without the values in between. To know what is gone, the watch keeps
-    the last value of every key it has seen; an `only_deletes` watch reads its
-    keys once when it starts and follows their puts (without delivering them).
+    the last value of every key it has seen. An `only_deletes` watch gets no puts
+    (etcd filters them: N members watching N keys would otherwise get N^2), so it
+    reads its keys once when it starts (their names only), and after a compaction
+    reports those of them that are gone, with an empty `prev_value`.
     """
 
     def __init__(
@@ -331,20 +333,24 @@ class Watch:
         self._lock = threading.Lock()
         self._closed = False
         self._watch_id: int | None = None
+        self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else None
         if only_deletes or start_revision == 0:
             # "From now" pinned to a revision, so a reconnect resumes there, not at a later
             # "now"; and the keys that exist now, whose deletion must be seen after a
             # compaction too.
-            kvs, revision = self._read(keys=only_deletes)
+            kvs, revision = self._read(keys=only_deletes, values=False)
             self._next_revision = revision + 1 if start_revision == 0 else start_revision
             if only_deletes:
-                self._known = {kv.key: kv.value for kv in kvs}
+                self._known = {kv.key: b"" for kv in kvs}
         self._register()
 
-    def _read(self, keys: bool = True) -> tuple[list[KeyValue], int]:
+    def _read(self, keys: bool = True, values: bool = True) -> tuple[list[KeyValue], int]:
         """The watched keys now (`keys=False`: none, only the revision), and the revision."""
         request = etcdrpc.RangeRequest(
-            key=self._key.encode(), range_end=self._range_end or b"", count_only=not keys
+            key=self._key.encode(),
+            range_end=self._range_end or b"",
+            count_only=not keys,
+            keys_only=not values,
         )
         response = self._etcd._call(
             lambda: self._etcd._kv().Range(request, timeout=self._etcd.timeout)
@@ -380,10 +386,7 @@ class Watch:
                     return
                 self._next_revision = events[-1].revision + 1
                 self._remember(events)
-            if self._only_deletes:
-                events = [e for e in events if e.kind == "delete"]
-            if events:
-                self._callback(events)
+            self._callback(events)
 
         try:
             self._watch_id = self._etcd._call(
@@ -392,6 +395,7 @@ class Watch:
                     on_response,
                     range_end=self._range_end,
                     start_revision=self._next_revision,
+                    filters=self._filters,
                     prev_kv=self._prev_kv,
                 )
             )
@@ -445,7 +449,10 @@ class Watch:
                             WatchEvent("put", kv.key, kv.value, before or b"", kv.mod_revision,
                                        kv.create_revision)
                         )  # fmt: skip
-            self._known = {kv.key: kv.value for kv in kvs}
+            if self._only_deletes:
+                self._known = {key: value for key, value in self._known.items() if key in present}
+            else:
+                self._known = {kv.key: kv.value for kv in kvs}
             self._next_revision = revision + 1
         if events:
             self._callback(events)
