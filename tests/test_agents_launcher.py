@@ -100,6 +100,7 @@ class SlotWatch:
         self.states: dict[str, tuple[str, str]] = {}  # member -> (agent, state)
         self.most: dict[str, int] = {}
         self.started: set[str] = set()
+        self.exits: dict[str, float] = {}  # member -> when its agent saw it end
         self._lock = threading.Lock()
         self.prefix = etcd.key("members") + "/"
         self._watch = etcd.watch(self.prefix, self._on, start_revision=0, prefix=True)
@@ -115,6 +116,8 @@ class SlotWatch:
                 self.states[name] = (report["agent"], report["state"])
                 if report["state"] == "running":
                     self.started.add(name)
+                else:
+                    self.exits.setdefault(name, report["at"])
             for agent in {agent for agent, _ in self.states.values()}:
                 running = sum(1 for a, s in self.states.values() if a == agent and s == "running")
                 self.most[agent] = max(self.most.get(agent, 0), running)
@@ -150,7 +153,8 @@ def test_jobs_share_three_agents_wait_for_room_and_never_over_fill_one(
     assert "6 slots" in never.json()["detail"][0]["msg"]
 
     jobs = {
-        "boost": {"kind": "xgboost", "workers": 3, "params": {"rounds": 20}},
+        "boost": {"kind": "xgboost", "workers": 3,
+                  "params": {"rounds": 30, "data": "synthetic:50000x20"}},
         "paced": {"kind": "steps", "workers": 3,
                   "params": {"method": "bsp", "num_steps": 30, "step_seconds": 0.1}},
         "waits": {"kind": "noop", "workers": 4},
@@ -160,20 +164,18 @@ def test_jobs_share_three_agents_wait_for_room_and_never_over_fill_one(
         assert response.status_code == 201, response.text
         assert response.json()["spec"]["launcher"] == "agents"  # the service's default
 
-    def both_running_and_the_third_waits() -> bool:
-        states = {j: service.http.get(f"/v1/jobs/{j}").json()["state"] for j in jobs}
-        if states["boost"] in ("RUNNING", "STARTING") and states["paced"] in (
-            "RUNNING",
-            "STARTING",
-        ):
-            assert states["waits"] == "PENDING", states  # 6 slots in use: 4 do not fit
-            return True
-        return False
-
-    wait_until(both_running_and_the_third_waits, 60, "the two 3-worker jobs to start")
     records = {j: wait_state(service, j, {"SUCCEEDED", "FAILED"}, timeout=180) for j in jobs}
     for job_id, record in records.items():
         assert record["state"] == "SUCCEEDED", (job_id, record["conditions"][-1])
+    # The 4-worker job waited in PENDING until a member of the others ended: 6 slots held
+    # by two 3-worker jobs leave it no room before.
+    first_end = min(at for name, at in slots.exits.items() if not name.startswith("waits-"))
+    waits = records["waits"]["conditions"]
+    assert waits[0]["state"] == "PENDING"
+    started = next(c["at"] for c in waits if c["state"] == "STARTING")
+    assert started >= first_end, (started, first_end)
+    both = [records[j]["conditions"] for j in ("boost", "paced")]
+    assert all(next(c["at"] for c in c_ if c["state"] == "STARTING") < started for c_ in both)
     placed = [m["assignment"].split("/")[0] for m in records["boost"]["attempts"][0]["members"]]
     assert sorted(placed) == ["agent-0", "agent-1", "agent-2"]  # spread, one per agent
 

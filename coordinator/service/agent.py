@@ -150,23 +150,28 @@ class Agent:
         with self._lock:
             return [n for n, r in self.members.items() if r.member.exit_code is None]
 
+    def _state(self, member: Member, code: int | None) -> str:
+        """A member's report: `running`, or `exited` with its code; `at` when it was so."""
+        return json.dumps(
+            {
+                "agent": self.options.agent_id,
+                "pid": member.pid,
+                "state": "running" if code is None else "exited",
+                "exit_code": code,
+                "at": time.time(),
+            }
+        )
+
     def _report(self, name: str, member: Member, code: int | None) -> None:
-        state = {
-            "agent": self.options.agent_id,
-            "pid": member.pid,
-            "state": "running" if code is None else "exited",
-            "exit_code": code,
-        }
-        self.etcd.put(report_key(self.etcd, name), json.dumps(state), self.session.lease_id)
+        key = report_key(self.etcd, name)
+        self.etcd.put(key, self._state(member, code), self.session.lease_id)
 
     def _ended(self, name: str, member: Member, code: int) -> None:
         """Report the end and free the slot, in one transaction: the service sees the
         member assigned, or its report, never neither while this agent lives."""
-        state = {"agent": self.options.agent_id, "pid": member.pid, "state": "exited",
-                 "exit_code": code}  # fmt: skip
         self.etcd.transaction(
             [
-                Put(report_key(self.etcd, name), json.dumps(state), self.session.lease_id),
+                Put(report_key(self.etcd, name), self._state(member, code), self.session.lease_id),
                 Delete(self.assignments + name),
             ]
         )

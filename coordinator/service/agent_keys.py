@@ -6,7 +6,7 @@
   (`{run_id, attempt, index, worker_args}`, and `stop` once the service wants
   it stopped), bound to the agent's lease. The agent deletes it when the member
   ends, so the assignments under an agent are its slots in use.
-- `members/<member>`: `{agent, pid, state, exit_code}`, the member as its agent
+- `members/<member>`: `{agent, pid, state, exit_code, at}`, the member as its agent
   saw it last (`running`, then `exited`), bound to the agent's lease. Written
   together with the assignment's deletion, so one of the two always exists
   while the agent lives.
