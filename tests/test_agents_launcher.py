@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd, WatchEvent
@@ -101,6 +102,7 @@ class SlotWatch:
         self.most: dict[str, int] = {}
         self.started: set[str] = set()
         self.exits: dict[str, float] = {}  # member -> when its agent saw it end
+        self.pids: dict[str, set[int]] = {}  # agent -> the pids of the members it started
         self._lock = threading.Lock()
         self.prefix = etcd.key("members") + "/"
         self._watch = etcd.watch(self.prefix, self._on, start_revision=0, prefix=True)
@@ -116,6 +118,7 @@ class SlotWatch:
                 self.states[name] = (report["agent"], report["state"])
                 if report["state"] == "running":
                     self.started.add(name)
+                    self.pids.setdefault(report["agent"], set()).add(report["pid"])
                 else:
                     self.exits.setdefault(name, report["at"])
             for agent in {agent for agent, _ in self.states.values()}:
@@ -199,6 +202,9 @@ def test_an_agent_killed_mid_job_restarts_the_job_on_the_others(
     running = wait_state(service, "survivor", {"RUNNING"}, timeout=60)
     victim = running["attempts"][0]["members"][1]["assignment"].split("/")[0]
     started[int(victim.rsplit("-", 1)[1])].process.send_signal(signal.SIGKILL)
+    orphans = slots.pids[victim]
+    # At once (their job holds them 6 s): the kernel kills them with the agent.
+    wait_until(lambda: not any(_alive(pid) for pid in orphans), 3, "its members to die with it")
 
     record = wait_state(service, "survivor", {"SUCCEEDED", "FAILED"}, timeout=120)
     assert record["state"] == "SUCCEEDED", record["conditions"]
@@ -206,3 +212,10 @@ def test_an_agent_killed_mid_job_restarts_the_job_on_the_others(
     second = {m["assignment"].split("/")[0] for m in record["attempts"][1]["members"]}
     assert victim not in second and len(second) == 2  # the live agents, and only them
     assert max(slots.most.values()) <= 2, slots.most
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

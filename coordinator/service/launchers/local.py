@@ -12,7 +12,6 @@ trusted only with its start time, so a reused pid is never taken for a member.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -26,15 +25,17 @@ import psutil
 from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation
 from coordinator.service.model import Member
 
-PR_SET_PDEATHSIG = 1  # prctl(2): a signal the kernel sends when the parent thread ends
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child after fork only calls it
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the thread that started it ends (Linux)."""
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+# Run first in a member that must die with its parent: asks the kernel for SIGKILL when
+# the thread that started it ends (prctl PR_SET_PDEATHSIG = 1, kept across exec), leaves
+# if that parent is already gone, then becomes the worker. A fresh interpreter does this,
+# not code run between fork and exec: there it would share the parent's gRPC state,
+# whose fork handlers abort the child now and then.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
 
 
 class LocalLauncher:
@@ -59,13 +60,15 @@ class LocalLauncher:
         if pidfile.exists():  # started before: never start it twice
             return Member(index=index, log=str(log), **json.loads(pidfile.read_text()))
         with open(log, "ab") as output:
+            command = [sys.executable, "-m", "coordinator", "worker", *launch.worker_args]
+            if self.die_with_parent:
+                command = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
             process = subprocess.Popen(
-                [sys.executable, "-m", "coordinator", "worker", *launch.worker_args],
+                command,
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, and no terminal signals
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
                 # Port 0: members on one host must not share the image's fixed port.
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "COORDINATOR_PORT": "0"},
             )
