@@ -325,9 +325,13 @@ class JobView {
   async followRecord() {
     await stream(`/v1/jobs/${encodeURIComponent(this.jobId)}/events`, (name, data) => {
       const first = this.record === null;
+      const wasFinal = !first && FINAL.has(this.record.state);
       this.showRecord(JSON.parse(data));
-      // A final job's history comes whole; a live job's stream starts with its history.
+      // A final job's history comes whole; a live job's stream starts with its history,
+      // and once the job is over its whole history is read again, so the page ends
+      // complete however the live stream's last poll fell.
       if (first) quietly(FINAL.has(this.record.state) ? this.loadSeries() : this.followLive());
+      else if (!wasFinal && FINAL.has(this.record.state)) quietly(this.loadSeries());
     }, this.signal);
   }
 
