@@ -38,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from api import wait_for  # bench/api.py
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
@@ -64,15 +65,6 @@ TARGET_LOAD_S = 1.0
 KEEPS_UP_P99_S = 1.0
 KEEPS_UP_GROWTH_S = 0.25
 SAMPLE_EVERY_S = 0.5
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout:g}s")
-        time.sleep(0.05)
-    return value
 
 
 def wait_state(service: ServiceProc, job_id: str, states: set[str], timeout: float = 120) -> Any:
