@@ -103,6 +103,14 @@ class Service:
                 return False
 
         wait_for(answers, 60, "answer from the service")
+        # The token serve made (it has auth on unless --insecure): every client sends it.
+        token = next(
+            line.split()[1]
+            for line in (data / "api-token").read_text().splitlines()
+            if line.startswith("submit ")
+        )
+        self.http.headers["Authorization"] = f"Bearer {token}"
+        Connection.authorization = f"Authorization: Bearer {token}\r\n"
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post("/v1/jobs", json=spec)
@@ -165,6 +173,8 @@ class Connection:
     """A minimal HTTP/1.1 keep-alive client on one asyncio connection: a few times the
     requests/s of httpx's AsyncClient here, where the client shares 2 cores with the server."""
 
+    authorization = ""  # the header line every request carries (set once the service runs)
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
 
@@ -174,7 +184,7 @@ class Connection:
         return cls(*await asyncio.open_connection(host, int(port)))
 
     async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\n{self.authorization}"
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         self.writer.write(head.encode() + b"\r\n" + (body or b""))
@@ -421,6 +431,7 @@ def main(
     console.print(f"load average: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores")
     tables: list[Table] = []
     with EmbeddedEtcd() as server, tempfile.TemporaryDirectory(prefix="bench-api-") as data:
+        server.security.export()  # its root's settings (auth is on): serve inherits them
         service = Service(server.endpoint, Path(data), max_workers=workers)
         try:
             finished = service.submit({"kind": "noop", "workers": 1, "params": {"seconds": 0}})

@@ -141,6 +141,7 @@ def main(
     specs = [known[name] for name in chosen]
     cores = os.cpu_count() or 1
     with EmbeddedEtcd() as server:
+        server.security.export()  # members and clients log in as root (auth is on)
         assert server.process is not None
         base, cpu = floor(server.endpoint, server.process.pid)
         table = Table(

@@ -155,7 +155,7 @@ def table_loads(browser: Browser, service: ServiceProc, jobs: int, loads: int) -
         context.add_init_script(TABLE_SHOWN % jobs)
         page = Watched(context.new_page())
         began = time.perf_counter()
-        page.page.goto(f"{service.url}/#/", wait_until="commit")
+        page.page.goto(service.dashboard_link(), wait_until="commit")  # lands on #/
         page.page.wait_for_function("() => window.__shownAt !== undefined", timeout=60_000)
         walls.append(time.perf_counter() - began)
         dom.append(page.page.evaluate("() => window.__tableAt") / 1000)
@@ -256,6 +256,7 @@ class StreamReader(threading.Thread):
     def __init__(self, service: ServiceProc, job: str) -> None:
         super().__init__(daemon=True)
         self.url = f"{service.url}/v1/jobs/{job}/live"
+        self.headers = dict(service.http.headers)  # its token
         self.clocks: dict[int, int] = {}
         self.updates = 0
         self.stop = threading.Event()
@@ -264,7 +265,7 @@ class StreamReader(threading.Thread):
     def run(self) -> None:
         try:
             with (
-                httpx.Client(timeout=httpx.Timeout(5, read=None)) as client,
+                httpx.Client(headers=self.headers, timeout=httpx.Timeout(5, read=None)) as client,
                 client.stream("GET", self.url) as response,
             ):
                 event = ""
@@ -314,7 +315,7 @@ def clocks(
         " window.__longTasks.push(e.duration); }).observe({type: 'longtask', buffered: true});"
     )
     page = Watched(context.new_page())
-    page.page.goto(f"{service.url}/#/jobs/{job}")
+    page.sign_in(service.dashboard_link(), f"#/jobs/{job}")
     page.page.wait_for_selector("svg#chart-clocks", state="attached", timeout=30_000)
     page.page.wait_for_function(
         "() => window.dashboard && typeof window.dashboard.clockUpdates === 'number'",
@@ -446,14 +447,14 @@ def screenshots(browser: Browser, service: ServiceProc, folder: Path) -> None:
     # watches (the trainers' gap to the slowest, against the bound) is then all there.
     context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
     watching = Watched(context.new_page())
-    watching.page.goto(f"{service.url}/#/jobs/{job}")
+    watching.sign_in(service.dashboard_link(), f"#/jobs/{job}")
     wait_for(
         lambda: (http.get(f"/v1/jobs/{job}").json()["progress"].get("step") or 0) > 20,
         240, "the MNIST run under way",
     )  # fmt: skip
 
     table = Watched(context.new_page())
-    table.page.goto(f"{service.url}/#/")
+    table.sign_in(service.dashboard_link())
     table.page.wait_for_function(
         "() => document.querySelectorAll('table#jobs tr[data-job]').length === 6"
     )
@@ -504,6 +505,7 @@ def main(
     ):
         data = Path(tmp) / "service"
         data.mkdir()
+        server.security.export()  # its root's settings (auth is on): serve inherits them
         etcd = Etcd(server.endpoint, namespace=NAMESPACE)
         browser = launch(playwright)
         console.print(f"chromium {browser.version}")

@@ -581,6 +581,8 @@ def main(
     results: list[Trial] = []
     namespace = f"/drill-{random.SystemRandom().randrange(1 << 32):08x}"
     with EmbeddedEtcd() if etcd is None else _External(etcd) as server:
+        if isinstance(server, EmbeddedEtcd):  # members and clients log in as root
+            server.security.export()
         started = time.monotonic()
         for number in numbers:
             result = run_trial(server.endpoint, namespace, seed, number, config)

@@ -388,6 +388,7 @@ def main(
             console=console,
         ) as progress,
     ):
+        server.security.export()  # members and clients log in as root (auth is on)
         overall = progress.add_task("runs", total=len(runs))
         for run in runs:
             params = {**base, **METHODS[run.method], "artifacts": tmp}

@@ -71,6 +71,7 @@ def single_node(data: str, eval_data: str, rounds: int, threads: int) -> dict[st
 def distributed(data: str, eval_data: str, rounds: int, members: int) -> dict[str, float]:
     params = {**BOOSTER, "data": data, "eval_data": eval_data, "rounds": rounds, "nthread": 1}
     with EmbeddedEtcd() as server, tempfile.TemporaryDirectory() as artifacts:
+        server.security.export()  # members and clients log in as root (auth is on)
         params["artifacts"] = artifacts
         args = [
             sys.executable, "-m", "coordinator", "worker", "--kind", "xgboost",

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
+from coordinator.etcd.names import check_name
 from coordinator.events import emit
 from coordinator.jobs import JOB_KINDS
 from coordinator.rendezvous.errors import (
@@ -30,7 +31,7 @@ from coordinator.rendezvous.errors import (
     SessionLost,
     Unreachable,
 )
-from coordinator.rendezvous.member import Member, check_name
+from coordinator.rendezvous.member import Member
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -157,7 +158,10 @@ def run_worker(options: WorkerOptions) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         etcd = Etcd(
-            options.etcd, namespace=options.namespace, connect_timeout=options.connect_timeout
+            options.etcd,
+            namespace=options.namespace,
+            connect_timeout=options.connect_timeout,
+            probe=f"jobs/{options.job_id}/",  # a member's etcd user may touch only its job
         )
     except EtcdError as exc:
         job.close()

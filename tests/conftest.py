@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import ENV
 from coordinator.etcd.server import EmbeddedEtcd
 from tests.containers.harness import (
     LABEL,
@@ -182,8 +183,20 @@ def images(podman_service: PodmanService) -> Images:
 @pytest.fixture(scope="session")
 def etcd_server(etcd_source: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     if etcd_source == "embedded":
+        # Auth on, as the product runs it. Its root settings go into the environment, where
+        # every client of the tests and every process they start (and the members those
+        # start) finds them.
+        saved = {var: os.environ.get(var) for var in ENV.values()}
         with EmbeddedEtcd() as server:
-            yield server
+            server.security.export()
+            try:
+                yield server
+            finally:
+                for var, value in saved.items():
+                    if value is None:
+                        os.environ.pop(var, None)
+                    else:
+                        os.environ[var] = value
         return
     container = EtcdContainer(request.getfixturevalue("images").etcd)
     try:

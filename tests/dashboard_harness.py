@@ -5,7 +5,8 @@ Shared by tests/test_dashboard.py and bench/dashboard.py, so it needs no pytest:
 - `launch`: headless chromium from `/usr/bin/chromium` (or `$COORDINATOR_CHROMIUM`);
 - `Watched`: a page whose every request must stay on loopback and whose console
   must stay free of errors and uncaught exceptions; `problems()` lists what went
-  wrong, `assert_clean()` fails with all of it;
+  wrong, `assert_clean()` fails with all of it; `sign_in` opens the link that
+  `coordinator serve` prints (the token in its fragment);
 - `HISTORY`: an init script that records every value the page ever showed in the
   cells and attributes a test follows (a MutationObserver: it sees each DOM
   change as it happens, so no intermediate state is missed between two looks).
@@ -100,6 +101,13 @@ class Watched:
         assert not problems, "the page misbehaved:\n" + "\n".join(problems)
 
     # -- conveniences -------------------------------------------------------------
+
+    def sign_in(self, link: str, fragment: str = "#/") -> None:
+        """Open `link` (the one `coordinator serve` prints: its token in the fragment, which
+        the page keeps for the tab), wait until the page knows its role, go to `fragment`."""
+        self.page.goto(link)
+        self.page.wait_for_selector("body:not([data-role='none'])", state="attached")
+        self.route(fragment)
 
     def route(self, fragment: str) -> None:
         """Go to `#/...` within the page: a hash change, never a reload."""

@@ -95,17 +95,23 @@ def test_assigned_members_run_report_and_serve_their_output(
         assign(etcd, "host-b", name, worker)
 
     def reports() -> list[dict[str, Any]] | None:
-        found = [etcd.get(etcd.key("members", name)) for name in names]
+        found = [etcd.get(etcd.key("reports", "host-b", name)) for name in names]
         states = [json.loads(kv.value) for kv in found if kv is not None]
         return states if len(states) == 2 and all(s["state"] == "exited" for s in states) else None
 
     states = wait_until(reports, 60, "both members to end")
     assert [s["exit_code"] for s in states] == [0, 0]
-    output = httpx.get(f"http://{record['address']}/members/{names[1]}/output").content
+    url = f"http://{record['address']}/members/{names[1]}/output"
+    bearer = {"Authorization": f"Bearer {record['token']}"}
+    output = httpx.get(url, headers=bearer).content
     assert b'"event": "done"' in output
-    tail = httpx.get(f"http://{record['address']}/members/{names[1]}/output?offset=10").content
+    tail = httpx.get(url + "?offset=10", headers=bearer).content
     assert tail == output[10:]
-    assert httpx.get(f"http://{record['address']}/members/nobody/output").status_code == 404
+    nobody = f"http://{record['address']}/members/nobody/output"
+    assert httpx.get(nobody, headers=bearer).status_code == 404
+    # Without the token of its registration, or with another, it answers nothing.
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer " + "x" * 43}).status_code == 401
     agent.process.send_signal(signal.SIGTERM)  # nothing runs: it leaves at once
     assert agent.process.wait(30) == 0
     assert registered(etcd, "host-b") is None
@@ -119,7 +125,7 @@ def test_sigterm_drains_a_running_member_and_deregisters_first(
     worker = ["--job", "drained", "--world-size", "1", "--etcd", etcd_server.endpoint,
               "--namespace", etcd.namespace, "--param", "seconds=60"]  # fmt: skip
     assign(etcd, "host-c", "drained-0123-a1-m0", worker)
-    member = etcd.key("members", "drained-0123-a1-m0")
+    member = etcd.key("reports", "host-c", "drained-0123-a1-m0")
     wait_until(lambda: etcd.get(member), 30, "the member to run")
     agent.process.send_signal(signal.SIGTERM)
     wait_until(lambda: registered(etcd, "host-c") is None, 10, "the agent to deregister")

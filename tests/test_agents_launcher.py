@@ -55,7 +55,7 @@ def test_labels_narrow_the_agents_a_job_may_use() -> None:
 
 
 def register(etcd: Etcd, agent_id: str, slots: int, session: Session) -> None:
-    record = {"slots": slots, "labels": {}, "address": "127.0.0.1:9", "pid": 0}
+    record = {"slots": slots, "labels": {}, "address": "127.0.0.1:9", "pid": 0, "token": "t" * 43}
     etcd.put(etcd.key("agents", agent_id), json.dumps(record), session.lease_id)
 
 
@@ -104,13 +104,13 @@ class SlotWatch:
         self.exits: dict[str, float] = {}  # member -> when its agent saw it end
         self.pids: dict[str, set[int]] = {}  # agent -> the pids of the members it started
         self._lock = threading.Lock()
-        self.prefix = etcd.key("members") + "/"
+        self.prefix = etcd.key("reports") + "/"
         self._watch = etcd.watch(self.prefix, self._on, start_revision=0, prefix=True)
 
     def _on(self, events: list[WatchEvent]) -> None:
         with self._lock:
             for event in events:
-                name = event.key[len(self.prefix) :]
+                name = event.key.rpartition("/")[2]  # reports/<agent>/<member>
                 if event.kind == "delete":
                     self.states.pop(name, None)
                     continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.rendezvous.address import ADVERTISE_ENV, advertise_address, route_address
 from coordinator.worker import EXIT_ETCD_UNAVAILABLE
@@ -106,13 +108,16 @@ def test_ctrl_c_stops_the_embedded_etcd() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator", "etcd"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "COLUMNS": "1000"},  # rich: the settings line unwrapped
     )
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         endpoint = proc.stdout.readline().strip()
-        with Etcd(endpoint, connect_timeout=5) as etcd:
+        settings = next(line for line in proc.stderr if "--etcd-password-file" in line)
+        root = EtcdSecurity(user="root", password_file=settings.split()[-1])  # auth is on
+        with Etcd(endpoint, connect_timeout=5, security=root) as etcd:
             assert etcd.put("/k", "v") > 0
         children = psutil.Process(proc.pid).children()
         assert [c.name() for c in children] == ["etcd"]

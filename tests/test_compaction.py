@@ -85,7 +85,7 @@ class CuttableProxy:
 
 @pytest.fixture(scope="module")
 def own_etcd() -> Iterator[EmbeddedEtcd]:
-    with EmbeddedEtcd() as server:
+    with EmbeddedEtcd(auth=False) as server:
         yield server
 
 

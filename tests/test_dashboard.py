@@ -78,6 +78,17 @@ def pages(browser: Browser) -> Iterator[Callable[..., Watched]]:
             context.close()
 
 
+def signed_in(
+    pages: Callable[..., Watched], service: ServiceProc, route: str, **kw: Any
+) -> Watched:
+    """A page opened from the link serve printed (its token in the fragment), then taken
+    to `route` within the page."""
+    page = pages("about:blank", **kw)
+    page.sign_in(service.dashboard_link(), route)
+    expect(page.page.locator("body")).to_have_attribute("data-role", "submit")
+    return page
+
+
 def api_message(service: ServiceProc, spec: dict[str, Any], field: str) -> str:
     """What the API says of `field` when `spec` is submitted (it must refuse it)."""
     response = service.http.post("/v1/jobs", json=spec)
@@ -101,11 +112,11 @@ def test_a_job_submitted_through_the_form_is_followed_live_to_succeeded(
 ) -> None:
     service = serve()
     job = "dash-xgb"
-    table = pages(f"{service.url}/#/")
+    table = signed_in(pages, service, "#/")
     expect(table.page.locator("#jobs-count")).to_have_text("0")
     table.mark()
 
-    form = pages(f"{service.url}/#/submit", history=True)
+    form = signed_in(pages, service, "#/submit", history=True)
     form.mark()
     fields = form.page.locator("form#submit-form")
     fields.locator("[name=kind]").select_option("xgboost")
@@ -185,7 +196,7 @@ def test_the_filters_narrow_the_table(
 
         store.update(job_id, finish)
     service = serve()
-    page = pages(f"{service.url}/#/")
+    page = signed_in(pages, service, "#/")
     count = page.page.locator("#jobs-count")
     rows = page.page.locator("table#jobs tr[data-job]")
     expect(count).to_have_text("3")
@@ -222,7 +233,7 @@ def test_cancel_from_the_page_cancels_the_job(
     service = serve()
     spec = {"id": "dash-cancel", "kind": "noop", "workers": 1, "params": {"seconds": 120}}
     assert service.http.post("/v1/jobs", json=spec).status_code == 201
-    page = pages(f"{service.url}/#/jobs/dash-cancel")
+    page = signed_in(pages, service, "#/jobs/dash-cancel")
     page.mark()
     state = page.page.locator("#job-state")
     expect(state).to_have_text("RUNNING", timeout=60 * SECONDS)
@@ -245,7 +256,7 @@ def test_the_apis_messages_are_shown_next_to_their_fields(
     pages: Callable[..., Watched],
 ) -> None:
     service = serve()  # --max-workers 4
-    page = pages(f"{service.url}/#/submit")
+    page = signed_in(pages, service, "#/submit")
     page.expect_status(422, "/v1/jobs")  # the refusals this test provokes
     fields = page.page.locator("form#submit-form")
     submit = page.page.locator("button#submit-job")
@@ -281,6 +292,7 @@ def test_a_reader_sees_no_controls_and_a_submitter_does(
 ) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"read {READ_TOKEN}\nsubmit {SUBMIT_TOKEN}\n")
+    tokens.chmod(0o600)
     service = serve("--token-file", str(tokens))
     service.http.headers["Authorization"] = f"Bearer {SUBMIT_TOKEN}"
     spec = {"id": "dash-auth", "kind": "noop", "workers": 1, "params": {"seconds": 120}}
@@ -339,7 +351,7 @@ def test_the_simulator_draws_the_step_distribution(
     pages: Callable[..., Watched],
 ) -> None:
     service = serve()
-    page = pages(f"{service.url}/#/simulate")
+    page = signed_in(pages, service, "#/simulate")
     fields = page.page.locator("form#simulate-form")
     fields.locator("[name=barrier]").fill("bsp,ssp:2,asp")
     fields.locator("[name=workers]").fill("20")
@@ -348,3 +360,32 @@ def test_the_simulator_draws_the_step_distribution(
     chart = page.page.locator("svg#chart-simulation")
     expect(chart).to_have_attribute("data-points", re.compile(r"^[1-9]\d*$"))
     page.assert_clean()
+
+
+# -- the link serve prints ----------------------------------------------------------------------
+
+
+def test_the_printed_link_signs_in_and_the_token_leaves_the_address_bar(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    pages: Callable[..., Watched],
+) -> None:
+    service = serve()
+    token = service.generated_token()
+    assert token is not None
+    link = service.dashboard_link()
+    assert link == f"{service.url}/#token={token}"  # in the fragment: never sent to a server
+    page = pages(link)
+    expect(page.page.locator("body")).to_have_attribute("data-role", "submit")
+    expect(page.page.locator("table#jobs")).to_be_visible()
+    assert page.page.url == f"{service.url}/#/"  # out of the address bar...
+    stored = page.page.evaluate("() => Object.values(sessionStorage)")
+    assert token in stored, stored
+    leaked = [r for r in page.requests if token in r]
+    assert not leaked, leaked
+    page.page.go_back()  # ...and out of the history: the entry before is the blank tab's
+    assert token not in page.page.url, page.page.url
+    # A page opened without the link asks for a token: the service has auth on.
+    bare = pages(f"{service.url}/#/")
+    expect(bare.page.locator("form#login")).to_be_visible()
+    page.assert_clean()
+    bare.assert_clean()

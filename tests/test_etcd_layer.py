@@ -109,7 +109,10 @@ def test_when_runs_its_puts_only_if_every_condition_holds(etcd: Etcd) -> None:
 
 
 def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Path) -> None:
-    with EmbeddedEtcd(data_dir=tmp_path / "etcd") as server, Etcd(server.endpoint) as etcd:
+    with (
+        EmbeddedEtcd(data_dir=tmp_path / "etcd", auth=False) as server,
+        Etcd(server.endpoint) as etcd,
+    ):
         seen: list[WatchEvent] = []
         lock = threading.Lock()
 
@@ -194,7 +197,7 @@ def test_endpoint_forms_are_normalised() -> None:
 
 
 def test_embedded_etcd_keeps_its_data_across_a_restart(tmp_path: Path) -> None:
-    with EmbeddedEtcd(data_dir=tmp_path / "d") as server:
+    with EmbeddedEtcd(data_dir=tmp_path / "d", auth=False) as server:
         with Etcd(server.endpoint) as etcd:
             etcd.put("/k", "v")
         server.stop()

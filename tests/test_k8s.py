@@ -8,7 +8,9 @@ the image (worker_image/Dockerfile) and the worker (its environment) expect.
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import shutil
 import socket
@@ -98,7 +100,11 @@ def test_every_shipped_manifest_passes_strict_schema_validation(version: str) ->
     assert kinds == [
         ("ConfigMap", "coordinator-manifests"),
         ("Deployment", "coordinator"),
-        ("Job", "coordinator-demo"),
+        ("Job", "coordinator-etcd-init"),
+        ("NetworkPolicy", "coordinator-agents"),
+        ("NetworkPolicy", "coordinator-service"),
+        ("NetworkPolicy", "coordinator-workers"),
+        ("NetworkPolicy", "etcd"),
         ("PersistentVolumeClaim", "coordinator-artifacts"),
         ("Role", "coordinator-launcher"),
         ("RoleBinding", "coordinator-launcher"),
@@ -147,7 +153,10 @@ def test_the_kustomization_lists_every_manifest_file() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
     files = {p.name for p in K8S.glob("*.y*ml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == files
+    # The Job template is no standing object: only in the ConfigMap the service reads.
+    (generated,) = kustomization["configMapGenerator"]
+    assert generated["files"] == [k8s.WORKERS_FILE]
+    assert set(kustomization["resources"]) == files - {k8s.WORKERS_FILE}
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -165,8 +174,8 @@ def test_kubectl_kustomize_builds_the_same_objects_that_load_returns() -> None:
 
 
 def test_the_shipped_job_is_consistent_on_its_own() -> None:
-    """`kubectl apply -k k8s/` without rendering: N in the Job matches WORLD_SIZE."""
-    docs = k8s.load()
+    """The template as it is (`kubectl apply -f k8s/job.yaml`): N matches WORLD_SIZE."""
+    docs = k8s.job_manifests()
     spec = only(docs, "Job")["spec"]
     assert spec["parallelism"] == spec["completions"] == 4
     assert env(worker(docs))["COORDINATOR_WORLD_SIZE"]["value"] == "4"
@@ -189,7 +198,7 @@ def test_render_gives_the_worker_the_environment_it_needs() -> None:
     values = {name: var.get("value") for name, var in variables.items()}
     assert values["COORDINATOR_JOB"] == "demo"
     assert values["COORDINATOR_WORLD_SIZE"] == "4"
-    assert values["COORDINATOR_ETCD"] == "etcd:2379"
+    assert values["COORDINATOR_ETCD"] == "https://etcd:2379"
     assert values["COORDINATOR_KIND"] == "noop"
     assert values["COORDINATOR_NAMESPACE"] == "/team-a"
     assert values["COORDINATOR_PARAMS"] == ""
@@ -223,7 +232,7 @@ def test_image_and_command_match_the_dockerfile_entrypoint() -> None:
     assert container["args"] == image["CMD"]
     # The init container runs the same image, so a pushed tag is needed only once.
     assert {c["image"] for c in pod_spec(docs)["initContainers"]} == {container["image"]}
-    assert worker(k8s.load())["image"] == k8s.DEFAULT_IMAGE
+    assert worker(k8s.job_manifests())["image"] == k8s.DEFAULT_IMAGE
 
 
 def test_the_pod_runs_as_the_image_user() -> None:
@@ -261,12 +270,16 @@ def test_the_bundled_etcd_is_a_statefulset_with_a_volume_and_a_headless_service(
     assert container["command"] == ["/usr/local/bin/etcd"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts[claim["metadata"]["name"]] == "/var/run/etcd"
-    assert "--listen-client-urls=http://0.0.0.0:2379" in container["args"]
+    assert "--listen-client-urls=https://0.0.0.0:2379" in container["args"]
+    # Health in plain HTTP on a port of its own, for the kubelet's probes.
+    assert "--listen-metrics-urls=http://0.0.0.0:2381" in container["args"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"client": 2379, "peer": 2380, "metrics": 2381}
     for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "client"}
-    # The workers' endpoint is this Service's client port.
-    host, port = env(worker(docs))["COORDINATOR_ETCD"]["value"].split(":")
-    assert (host, int(port)) == (service["metadata"]["name"], 2379)
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "metrics"}
+    # The workers' endpoint is this Service's client port, over TLS.
+    scheme, host, port = env(worker(docs))["COORDINATOR_ETCD"]["value"].split(":")
+    assert (scheme, host, int(port)) == ("https", "//" + service["metadata"]["name"], 2379)
 
 
 def test_an_external_etcd_leaves_the_bundled_one_out() -> None:
@@ -280,7 +293,7 @@ def test_an_external_etcd_leaves_the_bundled_one_out() -> None:
 
 def test_render_does_not_change_what_load_returns() -> None:
     k8s.render(9, "other", image="x:1", etcd="e:1")
-    docs = k8s.load()
+    docs = k8s.job_manifests()
     assert only(docs, "Job")["spec"]["parallelism"] == 4
     assert worker(docs)["image"] == k8s.DEFAULT_IMAGE
 
@@ -342,7 +355,7 @@ def test_dump_round_trips_as_multi_document_yaml() -> None:
 
 def test_the_wait_for_etcd_init_container_passes_once_etcd_listens() -> None:
     """Run its script for real: a dead first endpoint, then one that accepts connections."""
-    (init,) = pod_spec(k8s.load())["initContainers"]
+    (init,) = pod_spec(k8s.job_manifests())["initContainers"]
     assert init["command"][:2] == ["python3", "-c"]
     with socket.create_server(("127.0.0.1", 0)) as listener, socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
@@ -445,11 +458,12 @@ def volumes(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("source", ["shipped", "rendered"])
 def test_every_container_runs_least_privileged_with_requests_and_limits(source: str) -> None:
-    docs = k8s.load() if source == "shipped" else k8s.render(4, "demo")
+    docs = [*k8s.load(), k8s.job_template()] if source == "shipped" else k8s.render(4, "demo")
     pods = pod_specs(docs)
     assert "Job/coordinator-demo" in pods
     if source == "shipped":
-        assert {"Deployment/coordinator", "StatefulSet/coordinator-agent"} <= set(pods)
+        expected = {"Deployment/coordinator", "StatefulSet/coordinator-agent", "StatefulSet/etcd"}
+        assert expected | {"Job/coordinator-etcd-init"} <= set(pods)
     for where, pod in pods.items():
         assert pod["securityContext"]["runAsNonRoot"] is True, where
         assert pod["securityContext"]["runAsUser"] == 10001, where
@@ -464,9 +478,13 @@ def test_every_container_runs_least_privileged_with_requests_and_limits(source: 
             assert set(resources["limits"]) == {"cpu", "memory"}, name
             # A read-only root: what is written goes to a volume, never the image.
             for path in mounts(container):
-                assert path in ("/tmp", "/data", "/artifacts", "/var/run/etcd") or path.startswith(
-                    "/etc/coordinator/"
-                ), name
+                assert path in (
+                    "/tmp",
+                    "/data",
+                    "/artifacts",
+                    "/var/run/etcd",
+                    "/etc/etcd/tls",
+                ) or path.startswith("/etc/coordinator/"), name
 
 
 def test_the_image_runs_as_the_user_the_manifests_name() -> None:
@@ -477,7 +495,7 @@ def test_agents_workers_and_the_service_share_the_artifacts_volume() -> None:
     docs = k8s.load()
     claim = only(docs, "PersistentVolumeClaim", "coordinator-artifacts")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-    pods = pod_specs(docs)
+    pods = pod_specs([*docs, k8s.job_template()])
     for where in (
         "Job/coordinator-demo",
         "StatefulSet/coordinator-agent",
@@ -510,6 +528,8 @@ def test_the_role_grants_only_what_the_kubernetes_launcher_uses() -> None:
         ("batch", "jobs"): sorted(["create", "get", "list", "watch", "delete", "patch"]),
         ("", "pods"): ["get", "list", "watch"],
         ("", "pods/log"): ["get"],
+        # Each Job's credentials Secret (owned by the Job); never get, list or delete.
+        ("", "secrets"): ["create", "update"],
     }
     binding = only(docs, "RoleBinding", "coordinator-launcher")
     assert binding["roleRef"] == {
@@ -537,21 +557,21 @@ def test_the_service_deployment_serves_with_tokens_from_a_secret() -> None:
     assert args[0] == "serve"
     options = dict(zip(args[1::2], args[2::2], strict=True))
     assert options == {
-        "--etcd": "etcd:2379",
+        "--etcd": "https://etcd:2379",
         "--host": "0.0.0.0",
         "--port": "8080",
         "--token-file": options["--token-file"],
         "--default-launcher": "agents",
         "--data-dir": "/data",
         "--k8s-image": "etcd-coordinator:latest",  # the kubernetes launcher, in the namespace
-        "--k8s-etcd": "etcd:2379",
+        "--k8s-etcd": "https://etcd:2379",
     }
     folder, _, key = options["--token-file"].rpartition("/")
     tokens = volumes(pod)[mounts(container)[folder]]
     assert tokens["secret"]["secretName"] == "coordinator-tokens"
     # The file is the Secret's key `tokens` (service.yaml: --from-file=tokens=...).
     assert key == "tokens" and "items" not in tokens["secret"]
-    assert "--from-file=tokens=" in (K8S / "service.yaml").read_text()
+    assert "--from-file=tokens=" in (K8S / "init-secrets.sh").read_text()
     assert not [d for d in docs if d["kind"] == "Secret"]  # never shipped with a token in it
     assert volumes(pod)[mounts(container)["/data"]]["emptyDir"]
     # The Service reaches the container's port; the probes are the API's health routes.
@@ -574,14 +594,14 @@ def test_the_service_reads_the_job_template_from_a_configmap_of_workers_yaml(
     configMapGenerator, made of the very file `coordinator k8s` renders from."""
     docs = k8s.load()
     config_map = only(docs, "ConfigMap", "coordinator-manifests")
-    assert config_map["data"] == {"workers.yaml": (K8S / "workers.yaml").read_text()}
+    assert config_map["data"] == {"job.yaml": (K8S / "job.yaml").read_text()}
     deployment = only(docs, "Deployment", "coordinator")
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     folder = env(container)[k8s.MANIFESTS_ENV]["value"]
     assert volumes(pod)[mounts(container)[folder]]["configMap"]["name"] == "coordinator-manifests"
-    (tmp_path / "workers.yaml").write_text(config_map["data"]["workers.yaml"])
-    assert k8s.job_template(tmp_path) == only(k8s.load(), "Job")
+    (tmp_path / "job.yaml").write_text(config_map["data"]["job.yaml"])
+    assert k8s.job_template(tmp_path) == only(k8s.job_manifests(), "Job")
 
 
 def test_the_agents_are_a_statefulset_with_ids_and_addresses_from_the_downward_api() -> None:
@@ -596,7 +616,7 @@ def test_the_agents_are_a_statefulset_with_ids_and_addresses_from_the_downward_a
     args = container["args"]
     assert args[0] == "agent"
     options = dict(zip(args[1::2], args[2::2], strict=True))
-    assert options["--etcd"] == "etcd:2379"
+    assert options["--etcd"] == "https://etcd:2379"
     assert options["--id"] == "$(POD_NAME)" and options["--advertise"] == "$(POD_IP)"
     assert options["--slots"] == "2" and options["--host"] == "0.0.0.0"
     assert options["--data-dir"] == "/data"
@@ -655,3 +675,220 @@ def test_the_service_and_agent_arguments_parse_with_the_real_cli(
     else:
         assert given["agent_id"] == "coordinator-agent-0" and given["advertise"] == "10.0.0.7"
         assert given["slots"] == 2 and given["port"] == 8081
+
+
+# -- etcd with TLS and auth; the one-time step's Secrets; NetworkPolicies ------------------
+
+
+def secret_references(docs: list[dict[str, Any]]) -> dict[str, set[str]]:
+    """Every Secret the pod templates read, and the keys they read from it (a volume
+    without `items` reads them all: "*")."""
+    found: dict[str, set[str]] = {}
+    for pod in pod_specs(docs).values():
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                items = volume["secret"].get("items")
+                keys = {i["key"] for i in items} if items else {"*"}
+                found.setdefault(volume["secret"]["secretName"], set()).update(keys)
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            for var in container.get("env", []):
+                reference = (var.get("valueFrom") or {}).get("secretKeyRef")
+                if reference:
+                    found.setdefault(reference["name"], set()).add(reference["key"])
+    return found
+
+
+def one_time_secrets(agents: int = 3) -> list[dict[str, Any]]:
+    """What k8s/init-secrets.sh creates, as `kubectl create --dry-run=client` prints it."""
+    result = subprocess.run(
+        [str(K8S / "init-secrets.sh"), "team-a"],
+        capture_output=True, text=True, timeout=120,
+        env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "AGENTS": str(agents), "HOME": "/tmp"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_the_one_time_step_makes_every_secret_the_manifests_read() -> None:
+    """k8s/init-secrets.sh (dry run, offline): valid Secrets, exactly those the shipped
+    pods mount, each with the keys they read; etcd's certificate names the Service and
+    the pods (TLS is verified); one password per agent pod; nothing of it in the repo."""
+    secrets = {doc["metadata"]["name"]: doc for doc in one_time_secrets()}
+    for doc in secrets.values():
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+        assert doc["metadata"]["namespace"] == "team-a"
+    shipped = [*k8s.load(), k8s.job_template()]
+    wanted = secret_references(shipped)
+    # The job's credentials Secret is the launcher's (one per Job), not the one-time step's.
+    wanted.pop(k8s.credentials_secret(k8s.job_template()["metadata"]["name"]))
+    assert set(secrets) == set(wanted)
+    for name, keys in wanted.items():
+        assert keys - {"*"} <= set(secrets[name]["data"]), name
+    statefulset = only(k8s.load(), "StatefulSet", "coordinator-agent")
+    replicas = statefulset["spec"]["replicas"]
+    assert set(secrets["coordinator-agents"]["data"]) == {
+        f"coordinator-agent-{i}" for i in range(replicas)
+    }
+    passwords = {
+        base64.b64decode(v).decode().strip() for v in secrets["coordinator-agents"]["data"].values()
+    }
+    assert len(passwords) == replicas and all(len(p) >= 32 for p in passwords)
+    certificate = base64.b64decode(secrets["etcd-tls"]["data"]["tls.crt"])
+    text = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName"],
+        input=certificate, capture_output=True, timeout=30, check=True,
+    ).stdout.decode()  # fmt: skip
+    for name in ("etcd", "*.etcd", "etcd.team-a.svc", "*.etcd.team-a.svc.cluster.local"):
+        assert f"DNS:{name}" in text, text
+    assert secrets["etcd-tls"]["type"] == "kubernetes.io/tls"
+    assert not [d for d in shipped if d["kind"] == "Secret"]
+
+
+def test_etcd_serves_tls_only_and_every_client_trusts_its_ca_with_a_user_of_its_own() -> None:
+    """No plain client URL; the service is etcd's root (it makes the users), each agent
+    its own user (named after its pod), the jobs' pods their job's user; passwords are
+    always files, never values; the init Job turns auth on with the same files."""
+    docs = k8s.load()
+    (etcd,) = only(docs, "StatefulSet", "etcd")["spec"]["template"]["spec"]["containers"]
+    args = etcd["args"]
+    assert not [a for a in args if "client-urls=http://" in a]
+    assert (
+        "--cert-file=/etc/etcd/tls/tls.crt" in args and "--key-file=/etc/etcd/tls/tls.key" in args
+    )
+    clients = {
+        "service": only(docs, "Deployment", "coordinator"),
+        "agent": only(docs, "StatefulSet", "coordinator-agent"),
+        "init": only(docs, "Job", "coordinator-etcd-init"),
+        "worker": k8s.job_template(),
+    }
+    users = {}
+    for role, doc in clients.items():
+        pod = doc["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        variables = env(container)
+        folder = mounts(container)
+        ca = variables["COORDINATOR_ETCD_CA"]["value"]
+        assert volumes(pod)[folder[ca.rsplit("/", 1)[0]]]["secret"]["secretName"] == "etcd-ca"
+        assert "https://etcd:2379" in json.dumps(container), role  # TLS, by name
+        if role == "init":
+            assert "--root-password-file=/etc/coordinator/etcd-root/password" in container["args"]
+            continue
+        password = variables["COORDINATOR_ETCD_PASSWORD_FILE"]["value"]
+        assert password.startswith("/etc/coordinator/"), role
+        users[role] = variables["COORDINATOR_ETCD_USER"]
+    assert users["service"]["value"] == "root"
+    assert users["agent"]["value"] == "/coordinator/agents/$(POD_NAME)"
+    assert "secretKeyRef" in users["worker"]["valueFrom"]
+    # The init Job makes one user per agent pod, named as the agents connect.
+    (init,) = clients["init"]["spec"]["template"]["spec"]["containers"]
+    made = [a.split("=")[1] for a in init["args"] if a.startswith("--agent=")]
+    replicas = clients["agent"]["spec"]["replicas"]
+    assert made == [f"coordinator-agent-{i}" for i in range(replicas)]
+    assert init["command"] == ["python3", "-m", "coordinator.deploy.etcd_init"]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes' label selector semantics (matchLabels and matchExpressions)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values")
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and labels.get(key) in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def pod_labels() -> dict[str, dict[str, str]]:
+    """The labels of every kind of pod: the shipped ones, and a Job's pods as the
+    kubernetes launcher makes them (its template plus its own labels)."""
+    docs = k8s.load()
+    launched = k8s.worker_job(
+        2, "demo", labels={"etcd-coordinator/launcher": "kubernetes", "etcd-coordinator/run": "x"}
+    )
+    return {
+        "etcd": only(docs, "StatefulSet", "etcd")["spec"]["template"]["metadata"]["labels"],
+        "service": only(docs, "Deployment", "coordinator")["spec"]["template"]["metadata"][
+            "labels"
+        ],
+        "agent": only(docs, "StatefulSet", "coordinator-agent")["spec"]["template"]["metadata"][
+            "labels"
+        ],
+        "init": only(docs, "Job", "coordinator-etcd-init")["spec"]["template"]["metadata"][
+            "labels"
+        ],
+        "worker": launched["spec"]["template"]["metadata"]["labels"],
+        "rendered worker": only(k8s.render(2, "demo"), "Job")["spec"]["template"]["metadata"][
+            "labels"
+        ],
+    }
+
+
+def allowed(policy: dict[str, Any], labels: dict[str, dict[str, str]]) -> dict[str, set[str]]:
+    """Which kinds of pod each ingress rule admits, by the port it names ("*": any)."""
+    admitted: dict[str, set[str]] = {}
+    for rule in policy["spec"].get("ingress", []):
+        ports = {str(p["port"]) for p in rule.get("ports", [])} or {"*"}
+        sources = rule.get("from")
+        for kind, pod in labels.items():
+            if sources is None or any(
+                "podSelector" in s and selects(s["podSelector"], pod) for s in sources
+            ):
+                for port in ports:
+                    admitted.setdefault(port, set()).add(kind)
+    return admitted
+
+
+def test_network_policies_admit_exactly_the_pods_that_need_each_port() -> None:
+    """By the pods' real labels (the launcher's Jobs included): etcd's client port from the
+    service, the agents, the init Job and the jobs' pods, its peer port from etcd; the
+    agents' output port from the service, and any port from other agents (one job's
+    members on several agents); job pods from job pods only; the API from anywhere. Each
+    policy selects exactly its kind of pod, and names ports the pods have."""
+    docs = k8s.load()
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    labels = pod_labels()
+    selected = {
+        name: {kind for kind, pod in labels.items() if selects(p["spec"]["podSelector"], pod)}
+        for name, p in policies.items()
+    }
+    assert selected == {
+        "etcd": {"etcd"},
+        "coordinator-agents": {"agent"},
+        "coordinator-workers": {"worker", "rendered worker"},
+        "coordinator-service": {"service"},
+    }
+    everyone = set(labels)
+    assert allowed(policies["etcd"], labels) == {
+        "client": {"service", "agent", "init", "worker", "rendered worker"},
+        "peer": {"etcd"},
+    }
+    assert allowed(policies["coordinator-agents"], labels) == {
+        "output": {"service"},
+        "*": {"agent"},
+    }
+    assert allowed(policies["coordinator-workers"], labels) == {"*": {"worker", "rendered worker"}}
+    assert allowed(policies["coordinator-service"], labels) == {"http": everyone}
+    for policy in policies.values():
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+    # The named ports exist on the pods the policies select.
+    port_names = {
+        "etcd": only(docs, "StatefulSet", "etcd"),
+        "coordinator-agents": only(docs, "StatefulSet", "coordinator-agent"),
+        "coordinator-service": only(docs, "Deployment", "coordinator"),
+    }
+    for name, workload in port_names.items():
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        names = {p["name"] for p in container["ports"]}
+        named = {
+            str(p["port"]) for r in policies[name]["spec"]["ingress"] for p in r.get("ports", [])
+        }
+        assert named <= names, name

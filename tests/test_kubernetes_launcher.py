@@ -2,15 +2,17 @@
 
 No cluster is reachable here. A small HTTP server on 127.0.0.1 plays the parts of
 the Kubernetes API the launcher uses (Jobs: create, get, list, patch, delete; pods:
-list, watch, log) and records every request; a real `kubernetes.client.ApiClient`
-talks to it. What is checked: the requests the launcher sends (one Job per attempt,
-exactly as `coordinator k8s` renders it, valid against the Kubernetes OpenAPI
-schemas in strict mode) and how it reads the answers (exit codes from pod states,
-logs, vanished pods). What a real API server and kubelet then do is not tested.
+list, watch, log; Secrets: create, replace) and records every request; a real
+`kubernetes.client.ApiClient` talks to it. What is checked: the requests the
+launcher sends (one Job per attempt, exactly as `coordinator k8s` renders it, and
+the Secret of its credentials, valid against the Kubernetes OpenAPI schemas in
+strict mode) and how it reads the answers (exit codes from pod states, logs,
+vanished pods). What a real API server and kubelet then do is not tested.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import socket
@@ -27,6 +29,7 @@ import pytest
 from kubernetes import client as k8s_client
 
 from coordinator.deploy import k8s
+from coordinator.etcd.users import Credentials
 from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers import kubernetes as kl
 from coordinator.service.model import JobSpec, Member
@@ -36,6 +39,8 @@ NS = "team-a"
 IMAGE = "registry.example/etcd-coordinator:0.1.0"
 ETCD = "etcd:2379"
 JOBS_PATH = f"/apis/batch/v1/namespaces/{NS}/jobs"
+SECRETS_PATH = f"/api/v1/namespaces/{NS}/secrets"
+CREDENTIALS = Credentials("/coordinator/jobs/demo", "s3cret-password-of-the-job-0123456789")
 K8S_VERSIONS = sorted({"1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2])})
 
 
@@ -53,6 +58,8 @@ class StandIn:
     """The API server's state as the stand-in keeps it: Jobs, pods, logs, events."""
 
     jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    refuse_secrets: bool = False  # Secrets answer 403 (a Role without the right)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     logs: dict[str, bytes] = field(default_factory=dict)
     events: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
@@ -81,6 +88,9 @@ class StandIn:
 
     def posts(self) -> list[Request]:
         return [r for r in self.requests if r.method == "POST" and r.path == JOBS_PATH]
+
+    def secret_writes(self) -> list[Request]:
+        return [r for r in self.requests if r.path.startswith(SECRETS_PATH)]
 
 
 def matches(selector: str, labels: dict[str, str]) -> bool:
@@ -128,9 +138,11 @@ class Handler(BaseHTTPRequestHandler):
             return self._jobs(parts[6:], query, body)
         if url.path.startswith(f"/api/v1/namespaces/{NS}/pods"):
             return self._pods(parts[5:], query)
+        if url.path.startswith(SECRETS_PATH):
+            return self._secrets(parts[5:], body)
         return self._send(404, status(404, "NotFound", f"no {url.path}"))
 
-    do_GET = do_POST = do_PATCH = do_DELETE = _handle
+    do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _handle
 
     def _jobs(self, rest: list[str], query: dict[str, list[str]], body: Any) -> None:
         state = self.server.state
@@ -138,6 +150,7 @@ class Handler(BaseHTTPRequestHandler):
             name = body["metadata"]["name"]
             if name in state.jobs:
                 return self._send(409, status(409, "AlreadyExists", f'jobs "{name}" exists'))
+            body["metadata"]["uid"] = f"uid-{len(state.jobs)}-{name}"  # as the API sets it
             state.jobs[name] = body
             return self._send(201, body)
         if not rest and self.command == "GET":
@@ -152,6 +165,21 @@ class Handler(BaseHTTPRequestHandler):
         elif self.command == "DELETE":
             return self._send(200, state.jobs.pop(name))
         return self._send(200, state.jobs[name])
+
+    def _secrets(self, rest: list[str], body: Any) -> None:
+        state = self.server.state
+        if state.refuse_secrets:
+            return self._send(403, status(403, "Forbidden", "secrets is forbidden"))
+        name = body["metadata"]["name"]
+        if self.command == "POST" and not rest:
+            if name in state.secrets:
+                return self._send(409, status(409, "AlreadyExists", f'secrets "{name}" exists'))
+            state.secrets[name] = body
+            return self._send(201, body)
+        if self.command == "PUT" and rest == [name] and name in state.secrets:
+            state.secrets[name] = body
+            return self._send(200, body)
+        return self._send(404, status(404, "NotFound", f'secrets "{name}" not found'))
 
     def _pods(self, rest: list[str], query: dict[str, list[str]]) -> None:
         state = self.server.state
@@ -237,7 +265,12 @@ def new_launcher(
     return launcher
 
 
-def launch(workers: int, run_id: str = "demo-1a2b3c4d", attempt: int = 1) -> Launch:
+def launch(
+    workers: int,
+    run_id: str = "demo-1a2b3c4d",
+    attempt: int = 1,
+    credentials: Credentials | None = CREDENTIALS,
+) -> Launch:
     job_id = run_id.rsplit("-", 1)[0]
     args = [
         "--job", job_id, "--world-size", str(workers), "--etcd", "127.0.0.1:2379",
@@ -245,7 +278,9 @@ def launch(workers: int, run_id: str = "demo-1a2b3c4d", attempt: int = 1) -> Lau
         "--param", "steps=5",
     ]  # fmt: skip
     spec = JobSpec(id=job_id, kind="steps", workers=workers, launcher="kubernetes")
-    return Launch(run_id=run_id, attempt=attempt, spec=spec, worker_args=args)
+    return Launch(
+        run_id=run_id, attempt=attempt, spec=spec, worker_args=args, credentials=credentials
+    )
 
 
 @contextlib.contextmanager
@@ -350,19 +385,27 @@ def test_the_job_is_the_one_coordinator_k8s_renders(
     rendered = k8s.worker_job(4, "demo", IMAGE, ETCD, kind="steps")
     (job,) = [d for d in k8s.render(4, "demo", IMAGE, ETCD, kind="steps") if d["kind"] == "Job"]
     assert job == rendered
-    for job in (sent, rendered):
-        job["metadata"].pop("name")
-        job["metadata"].pop("namespace", None)
-        for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
-            meta.get("labels", {}).pop(kl.LAUNCHER_LABEL, None)
-            meta.get("labels", {}).pop(kl.RUN_LABEL, None)
-            meta.get("labels", {}).pop(kl.ATTEMPT_LABEL, None)
-            meta.pop("annotations", None)
-        pod = job["spec"]["template"]["spec"]
-        pod.pop("terminationGracePeriodSeconds")
-        (worker,) = pod["containers"]
-        worker.pop("args")
-    assert sent == rendered
+    assert normalised(sent) == normalised(rendered)
+
+
+def normalised(job: dict[str, Any]) -> dict[str, Any]:
+    """`job` without what makes it one attempt's: name, labels, args, grace, and the name
+    of its credentials Secret (the Job's name and a suffix)."""
+    secret = k8s.credentials_secret(job["metadata"]["name"])
+    assert f'"{secret}"' in json.dumps(job)
+    job = json.loads(json.dumps(job).replace(f'"{secret}"', '"<credentials>"'))
+    job["metadata"].pop("name")
+    job["metadata"].pop("namespace", None)
+    for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
+        meta.get("labels", {}).pop(kl.LAUNCHER_LABEL, None)
+        meta.get("labels", {}).pop(kl.RUN_LABEL, None)
+        meta.get("labels", {}).pop(kl.ATTEMPT_LABEL, None)
+        meta.pop("annotations", None)
+    pod = job["spec"]["template"]["spec"]
+    pod.pop("terminationGracePeriodSeconds")
+    (worker,) = pod["containers"]
+    worker.pop("args")
+    return job
 
 
 def test_a_second_launcher_finds_the_job_created_before(
@@ -601,9 +644,9 @@ def test_the_template_folder_comes_from_the_environment(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """In the image there is no k8s/: the Deployment mounts workers.yaml from a ConfigMap."""
-    text = (k8s.MANIFEST_DIR / "workers.yaml").read_text()
-    (tmp_path / "workers.yaml").write_text(text.replace("memory: 1Gi", "memory: 3Gi"))
+    """In the image there is no k8s/: the Deployment mounts job.yaml from a ConfigMap."""
+    text = (k8s.MANIFEST_DIR / k8s.WORKERS_FILE).read_text()
+    (tmp_path / k8s.WORKERS_FILE).write_text(text.replace("memory: 1Gi", "memory: 3Gi"))
     monkeypatch.setenv(k8s.MANIFESTS_ENV, str(tmp_path))
     launcher = kl.KubernetesLauncher(IMAGE, NS, ETCD, api[1])
     try:
@@ -659,3 +702,109 @@ def test_without_a_client_the_kubeconfig_is_used_else_a_clear_error(
         assert launcher.api_client.configuration.host == "http://127.0.0.1:9"
     finally:
         launcher.close()
+
+
+# -- the job's etcd credentials: a Secret the Job owns ------------------------------------
+
+
+def secret_of(job: dict[str, Any]) -> str:
+    return k8s.credentials_secret(job["metadata"]["name"])
+
+
+def test_each_job_gets_its_etcd_credentials_in_a_secret_the_job_owns(
+    api: tuple[StandIn, k8s_client.ApiClient], launchers: list[kl.KubernetesLauncher]
+) -> None:
+    """One Secret per Job (not per member), valid in strict mode, owned by the Job (its
+    uid as the API gave it), holding the job's user and password; the pods take the user
+    from it and mount the password as a file; the password is nowhere in the Job."""
+    state = api[0]
+    launcher = new_launcher(api, launchers)
+    for index in range(4):
+        launcher.start(launch(4), index)
+    (post,) = state.posts()
+    (write,) = state.secret_writes()
+    job, secret = state.jobs[post.body["metadata"]["name"]], write.body
+    assert (write.method, write.query.get("fieldValidation")) == ("POST", ["Strict"])
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(secret, version, strict=True)
+    assert secret["metadata"]["name"] == secret_of(job)
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": job["metadata"]["name"],
+        "uid": job["metadata"]["uid"],
+        "blockOwnerDeletion": False,
+    }
+    data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    assert data == {"user": CREDENTIALS.user, "password": CREDENTIALS.password}
+    assert secret["metadata"]["labels"][kl.RUN_LABEL] == "demo-1a2b3c4d"
+    assert CREDENTIALS.password not in json.dumps(post.body)
+
+    pod = job["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[k8s.CREDENTIALS_VOLUME]["secret"]["secretName"] == secret_of(job)
+    (worker,) = pod["containers"]
+    env = {var["name"]: var for var in worker["env"]}
+    reference = env[k8s.USER_ENV]["valueFrom"]["secretKeyRef"]
+    assert reference == {"name": secret_of(job), "key": "user"}
+    mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
+    folder = mounts[k8s.CREDENTIALS_VOLUME]
+    assert env[k8s.PASSWORD_FILE_ENV]["value"] == f"{folder}/password"
+    assert env["COORDINATOR_ETCD_CA"]["value"].startswith(mounts["etcd-ca"] + "/")
+
+
+def test_a_second_launcher_replaces_the_secret_of_the_job_it_finds(
+    api: tuple[StandIn, k8s_client.ApiClient], launchers: list[kl.KubernetesLauncher]
+) -> None:
+    """A new leader finishing a launch: the Job exists (409), so it reads the Job's uid
+    and replaces the Secret (409 on create) with the credentials it was given."""
+    state = api[0]
+    first, second = new_launcher(api, launchers), new_launcher(api, launchers)
+    first.start(launch(2), 0)
+    newer = Credentials(CREDENTIALS.user, "another-password-of-the-same-job-987654")
+    second.start(launch(2, credentials=newer), 1)
+    assert [(r.method, r.path.rsplit("/", 1)[-1]) for r in state.secret_writes()] == [
+        ("POST", "secrets"),
+        ("POST", "secrets"),
+        ("PUT", secret_of(next(iter(state.jobs.values())))),
+    ]
+    (job,) = state.jobs.values()
+    (secret,) = state.secrets.values()
+    assert base64.b64decode(secret["data"]["password"]).decode() == newer.password
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+
+
+def test_without_credentials_the_job_has_no_secret_and_no_user(
+    api: tuple[StandIn, k8s_client.ApiClient], launchers: list[kl.KubernetesLauncher]
+) -> None:
+    """An etcd without auth: no Secret is made, and the pods neither mount one (kubelet
+    would wait for it for ever) nor name a user."""
+    state = api[0]
+    launcher = new_launcher(api, launchers)
+    launcher.start(launch(2, credentials=None), 0)
+    assert state.secret_writes() == []
+    (job,) = state.jobs.values()
+    pod = job["spec"]["template"]["spec"]
+    assert k8s.CREDENTIALS_VOLUME not in {v["name"] for v in pod["volumes"]}
+    for container in [*pod["initContainers"], *pod["containers"]]:
+        names = {var["name"] for var in container.get("env", [])}
+        assert not names & {k8s.USER_ENV, k8s.PASSWORD_FILE_ENV}, container["name"]
+        assert k8s.CREDENTIALS_VOLUME not in {m["name"] for m in container["volumeMounts"]}
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(job, version, strict=True)
+
+
+def test_a_refused_secret_fails_the_start_naming_it_never_the_password(
+    api: tuple[StandIn, k8s_client.ApiClient], launchers: list[kl.KubernetesLauncher]
+) -> None:
+    state = api[0]
+    state.refuse_secrets = True
+    launcher = new_launcher(api, launchers)
+    with pytest.raises(RuntimeError, match="could not create Kubernetes Secret") as failed:
+        launcher.start(launch(2), 0)
+    assert "secrets is forbidden" in str(failed.value)
+    assert CREDENTIALS.password not in str(failed.value)
+    state.refuse_secrets = False  # the next tick tries again: Job found, Secret made
+    launcher.start(launch(2), 0)
+    assert len(state.secrets) == 1

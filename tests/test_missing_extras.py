@@ -43,7 +43,7 @@ NOT_EXTRAS = {"test", "bench"}  # development extras: nothing of the product nee
 #: The commands the tests below run; checked against `coordinator --help`.
 COVERED = {
     "worker", "run", "etcd", "exit-codes", "k8s", "simulate", "serve", "agent",
-    "submit", "jobs", "status", "events", "logs", "cancel",
+    "submit", "jobs", "status", "events", "logs", "cancel", "credentials",
 }  # fmt: skip
 
 BLOCKER = '''\
@@ -153,7 +153,12 @@ def blocked(tmp_path_factory: pytest.TempPathFactory) -> Blocked:
     site = tmp_path_factory.mktemp("block")
     (site / "sitecustomize.py").write_text(BLOCKER)
     work = tmp_path_factory.mktemp("work")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
+    # Only the session etcd's root settings pass (COORDINATOR_ETCD_USER, ...): it has auth on.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("COORDINATOR_") or k.startswith("COORDINATOR_ETCD_")
+    }
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
         COORDINATOR_TEST_BLOCK=",".join(BLOCKED),
@@ -327,7 +332,8 @@ def test_service_agent_and_clients(
     serve_log, agent_log = tmp_path / "serve.log", tmp_path / "agent.log"
     serve = blocked.start(
         serve_log, "serve", "--etcd", endpoint, "--namespace", namespace, "--port", str(port),
-        "--data-dir", str(tmp_path / "service"),
+        # The default data dir (./coordinator-data), where the clients find its api-token.
+        "--data-root", str(blocked.cwd),
     )  # fmt: skip
     agent = blocked.start(
         agent_log, "agent", "--etcd", endpoint, "--namespace", namespace, "--id", "a1",
@@ -364,6 +370,12 @@ def test_service_agent_and_clients(
                 pool.map(lambda a: blocked.run(*a, *server), readers), readers.values(), strict=True
             ):
                 ran_reader.check({0}, *needles)
+        # An agent's etcd user, made as root (the session etcd's, from the environment).
+        made = blocked.run(
+            "credentials", "agent", "a2", "--out", str(tmp_path / "a2.password"),
+            "--etcd", endpoint, "--namespace", namespace,
+        )  # fmt: skip
+        made.check({0}, f"{namespace}/agents/a2")
     finally:
         agent_ran = Blocked.stop(agent, signal.SIGTERM, agent_log)
         serve_ran = Blocked.stop(serve, signal.SIGINT, serve_log)

@@ -6,7 +6,8 @@ averaged gradients is exactly one process with the whole batch, that every
 barrier method keeps its bound with a straggler and that the servers' staleness
 logs, the summary and the trainers' ACKs agree, that a lost member fails the
 others fast naming it (or is left behind with `on_loss=continue`), that a job
-resumes from the servers' checkpoints, and that bad input fails before joining.
+resumes from the servers' checkpoints, that bad input fails before joining, and
+that a stray prober without the round's secret is refused and changes nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import socket
 import struct
 import time
 from collections import Counter
@@ -29,6 +31,8 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import batch_rows, initial_model, parse
 from coordinator.ps.model import MnistNet
+from coordinator.ps.wire import HEADER, MAGIC, Dtype, Kind
+from coordinator.rendezvous import handshake
 from tests.conftest import Proc, wait_until, worker_args
 
 # Training is the subject here, not where etcd runs: once, against the embedded etcd.
@@ -410,3 +414,81 @@ def test_bad_input_exits_2_before_joining_leaving_no_keys(
         assert re.search(cause, failed["message"]), failed["message"]
     keys, _ = etcd.get_prefix(etcd.namespace + "/")
     assert keys == []
+
+
+# -- 6. a stray prober on the members' ports is refused and changes nothing -------------
+
+
+def prober_says(host: str, port: int, wrong: handshake.HandshakeKey | None, data: bytes) -> bytes:
+    """Connect; prove a wrong secret (or skip the handshake: `wrong` None), send `data` at
+    once and stop sending; all the member says after its challenge until it closes."""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        nonce = handshake.read_challenge(sock.recv(handshake.CHALLENGE_SIZE))
+        proof = b"" if wrong is None else handshake.response(wrong, nonce, bytes(32))
+        sock.sendall(proof + data)
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def test_a_stray_prober_is_refused_and_changes_nothing(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any, tmp_path: Path
+) -> None:
+    """A prober reaches the server's and a trainer's ports while the job runs; it claims
+    trainer 0, pulls, and pushes a poisoned gradient, with no proof and with a proof made
+    with another secret. Each is refused with "handshake refused" and nothing else, and
+    the job ends with exactly the weights of the same job run without the prober
+    (synchronous SGD, fixed seed)."""
+    params = {
+        "aggregate": "true", "batch_size": 16, "num_steps": 150, "seed": 3,
+        "checkpoint_every": 0, "eval_seconds": 3600, "artifacts": tmp_path,
+    }  # fmt: skip
+    procs = [spawn(job_args(etcd_server, etcd, params, job="probed")) for _ in range(WORLD)]
+    ranks = [p.wait_event(lambda e: e.get("phase") == "leader_election", 60)["rank"] for p in procs]
+    by_rank = dict(zip(ranks, procs, strict=True))
+    by_rank[0].wait_event(lambda e: e.get("phase") == "connect", 60)  # the server serves
+    roster = json.loads(etcd.get(etcd.key("jobs", "probed", "rendezvous", "roster")).value)
+    round_ = roster["round"]
+
+    size = sum(p.numel() for p in MnistNet().parameters()) * 4
+    claim = json.dumps({"job": "probed", "round": round_, "trainer": 0, "layout": "x"})
+    attempts = {  # the first message of each; the rest would follow an answer (none comes)
+        "hello": HEADER.pack(MAGIC, Kind.HELLO, 0, 0, 0, 0, len(claim)) + claim.encode(),
+        "pull": HEADER.pack(MAGIC, Kind.PULL, 0, 0, 0, 0, 0),
+        "poisoned push": HEADER.pack(MAGIC, Kind.PUSH, Dtype.FLOAT32, 0, 0, 1, size)
+        + struct.pack("<f", 1e30) * 4096,
+    }
+    for member in roster["members"][:2]:  # the server, and trainer rank 1
+        host, port = member["host"], member["port"]
+        wrong = handshake.key_for(handshake.new_secret(), "probed", round_, member["member_id"])
+        for what, data in attempts.items():
+            for key in (None, wrong):
+                reply = prober_says(host, port, key, data)
+                assert reply == handshake.REFUSED, (member["rank"], what, reply)
+        with (
+            socket.create_connection((host, port), timeout=10) as sock,
+            pytest.raises(handshake.HandshakeRefused) as refused,
+        ):
+            handshake.offer(sock, wrong, 10)
+        assert str(refused.value) == "handshake refused"  # no job, round or digest
+
+    probed = collect(procs)
+    quiet = run_job(etcd_server, etcd, spawn, params, job="quiet")
+    assert probed[1]["final_clock"] == quiet[1]["final_clock"] == 150
+    weights = {
+        job: torch.load(tmp_path / job / "model.pt", weights_only=True)
+        for job in ("probed", "quiet")
+    }
+    assert weights["probed"].keys() == weights["quiet"].keys()
+    for name, tensor in weights["quiet"].items():
+        assert torch.equal(weights["probed"][name], tensor), name
+    options = parse({k: str(v) for k, v in params.items()}, WORLD)
+    start = initial_model(options).state_dict()["out.weight"]
+    assert not torch.equal(weights["quiet"]["out.weight"], start)  # it trained
+    assert (
+        summary_of(tmp_path, "probed")["test_accuracy"]
+        == (summary_of(tmp_path, "quiet")["test_accuracy"])
+    )
+    wait_rendezvous_empty(etcd, "quiet")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -32,6 +33,11 @@ def test_members_rendezvous_with_distinct_ranks_one_roster_and_true_barriers(
     assert len(rosters) == 1, "every member must hold the identical roster"
     roster = done[0]["roster"]
     assert [m["rank"] for m in roster["members"]] == list(range(n))
+    # The round's handshake secret lives in etcd only: not in any event or error line.
+    assert "secret" not in roster
+    for p in procs:
+        printed = json.dumps(p.events) + "\n".join(p.stderr)
+        assert not re.search(r"[0-9a-f]{64}", printed), "a 32-byte secret was printed"
     assert {m["pid"] for m in roster["members"]} == {p.process.pid for p in procs}
 
     # No member passes a barrier before the last one has arrived at it.
@@ -176,7 +182,7 @@ def test_etcd_restart_mid_rendezvous_is_survived(spawn, tmp_path: Path, namespac
     """etcd stops and comes back on the same data dir while members wait at a barrier:
     every member carries on and finishes, because leases are restored on restart,
     watches resume from their last revision, and requests retry within their window."""
-    with EmbeddedEtcd(data_dir=tmp_path / "etcd") as server:
+    with EmbeddedEtcd(data_dir=tmp_path / "etcd", auth=False) as server:
         resume = tmp_path / "resume"
         stalled = spawn(
             member_proc_args(server.endpoint, namespace, "job", 3, ttl=5, stop_before="training",

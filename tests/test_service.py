@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,7 +41,8 @@ def free_port() -> int:
 
 
 class ServiceProc:
-    """`coordinator serve` as a process of its own, and an HTTP client for it."""
+    """`coordinator serve` as a process of its own, and an HTTP client for it; the client
+    sends the token the service made (`<data>/api-token`) when it made one."""
 
     def __init__(self, endpoint: str, namespace: str, data: Path, *extra: str) -> None:
         self.port = free_port()
@@ -67,7 +69,24 @@ class ServiceProc:
                 return False
 
         wait_until(answers, 60, "the service to answer")
+        if self.generated_token() is not None:
+            self.http.headers["Authorization"] = f"Bearer {self.generated_token()}"
         return self
+
+    def generated_token(self) -> str | None:
+        """The submit token of `<data>/api-token`, which serve makes without --token-file."""
+        path = self.data / "api-token"
+        if not path.exists():
+            return None
+        return next(
+            line.split()[1] for line in path.read_text().splitlines() if line.startswith("submit ")
+        )
+
+    def dashboard_link(self) -> str:
+        """The link serve printed (with its token in the fragment, where it made one)."""
+        found = re.search(r"dashboard: (\S+)", self.output())
+        assert found, f"serve printed no dashboard link: {self.output()}"
+        return found.group(1)
 
     def output(self) -> str:
         return self.data.with_suffix(".log").read_text(errors="replace")[-3000:]
@@ -171,7 +190,7 @@ def no_member_runs(record: dict[str, Any]) -> bool:
 def test_terminal_states_are_final_and_every_move_is_recorded() -> None:
     spec = JobSpec(id="j", kind="noop", workers=1)
     record = JobRecord(
-        id="j", uid="u", spec=spec, state=JobState.PENDING, conditions=[], submitted_at=0
+        id="j", uid="0" * 32, spec=spec, state=JobState.PENDING, conditions=[], submitted_at=0
     )
     record = advance(record, JobState.STARTING, "attempt 1", 1.0)
     record = advance(record, JobState.SUCCEEDED, "every member exited 0", 2.0)
@@ -382,6 +401,7 @@ def test_tokens_are_required_and_roles_enforced(
 ) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"read {READ_TOKEN}\nsubmit {SUBMIT_TOKEN}  # the CI's\n")
+    tokens.chmod(0o600)
     service = serve("--token-file", str(tokens))
     spec = {"kind": "noop", "workers": 1}
 
@@ -422,11 +442,14 @@ def test_the_cli_submits_waits_and_mirrors_the_outcome(serve: Callable[..., Serv
     service = serve()
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        # No --token: the CLI finds the token the service made in its data directory.
+        env = {k: v for k, v in os.environ.items() if k != "COORDINATOR_TOKEN"}
         return subprocess.run(
             [sys.executable, "-m", "coordinator", *args, "--server", service.url],
             capture_output=True,
             text=True,
             timeout=180,
+            env={**env, "COORDINATOR_DATA": str(service.data)},
         )
 
     done = cli("submit", "noop", "--workers", "2", "--id", "cli-ok", "--wait")

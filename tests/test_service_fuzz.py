@@ -1,14 +1,15 @@
 """The REST service fuzzed against its own OpenAPI schema (schemathesis), end to end.
 
 A real `coordinator serve` on loopback (the `serve` fixture of tests/test_service.py,
-with `--max-workers 1`) against the test etcd: schemathesis reads `/openapi.json`
-from it, generates requests for every operation, in both of its modes (positive:
-data the schema allows; negative: data it forbids), and each response must pass all
-four response checks: no 5xx (`not_a_server_error`), a documented status code
-(`status_code_conformance`), a documented content type (`content_type_conformance`)
-and a body that matches the documented schema (`response_schema_conformance`). No
-check is dropped. Every failure found is collected (the first request of each kind,
-with its curl line) and the test fails listing them all; it does not stop at the first.
+with `--max-workers 1`; every request carries the token it made) against the test
+etcd: schemathesis reads `/openapi.json` from it, generates requests for every
+operation, in both of its modes (positive: data the schema allows; negative: data it
+forbids), and each response must pass all four response checks: no 5xx
+(`not_a_server_error`), a documented status code (`status_code_conformance`), a
+documented content type (`content_type_conformance`) and a body that matches the
+documented schema (`response_schema_conformance`). No check is dropped. Every
+failure found is collected (the first request of each kind, with its curl line) and
+the test fails listing them all; it does not stop at the first.
 
 Random data alone would only meet 404s and 422s, so besides it:
 
@@ -194,6 +195,9 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
     schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json")
     seed = int(os.environ.get("FUZZ_SEED") or random.getrandbits(64))
     fuzz = Fuzzing(requests.Session(), seed)
+    # The token the service made (auth is on): every generated request carries it, so the
+    # fuzzing reaches the handlers, not only the 401 in front of them.
+    fuzz.session.headers["Authorization"] = service.http.headers["Authorization"]
     ops = {f"{o.method.upper()} {o.path}": o for o in (r.ok() for r in schema.get_all_operations())}
     positive, negative = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
-from coordinator.cli import agent, client, cluster, members, serve, simulate
+from coordinator.cli import agent, client, cluster, credentials, members, serve, simulate
 
 __all__ = ["app"]
 
@@ -15,6 +17,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+@app.callback()
+def private_files() -> None:
+    """Everything a command writes (logs, artifacts, credentials, the etcd's data) is its
+    user's alone: files 0600, folders 0700."""
+    os.umask(0o077)
+
+
 # Registered here, not by decorators in the modules, so the order in `--help` is explicit.
 app.command()(members.worker)
 app.command()(members.run)
@@ -24,6 +34,7 @@ app.command("k8s")(cluster.k8s_manifests)
 app.command("simulate")(simulate.simulate_barriers)
 app.command("serve")(serve.serve)
 app.command("agent")(agent.agent)
+app.add_typer(credentials.app, name="credentials")
 app.command("submit")(client.submit)
 app.command("jobs")(client.jobs)
 app.command("status")(client.status)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -61,14 +62,21 @@ def agent(
 ) -> None:
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
     from coordinator.etcd.client import Etcd, EtcdError
+    from coordinator.etcd.names import check_name
     from coordinator.service.agent import Agent, AgentOptions, AgentTaken
 
+    # Everything it writes (members' output, their password files) is its user's alone.
+    os.umask(0o077)
     labels = parse_labels(label)
+    try:
+        agent_id = check_name("agent id", agent_id or socket.gethostname())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--id") from None
     endpoints = etcd or "127.0.0.1:2379"
     # Exported into the environment too: the members this agent starts inherit it.
     security = etcd_security(endpoints, etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
     options = AgentOptions(
-        agent_id=agent_id or socket.gethostname(),
+        agent_id=agent_id,
         slots=slots,
         data_dir=data_dir.absolute(),
         labels=labels,
@@ -79,7 +87,10 @@ def agent(
         drain_seconds=drain_seconds,
     )
     try:
-        client = Etcd(endpoints, namespace=namespace, security=security)
+        # Its etcd user (`coordinator credentials agent`) may touch only its own keys.
+        client = Etcd(
+            endpoints, namespace=namespace, security=security, probe=f"assignments/{agent_id}/"
+        )
     except EtcdError as exc:
         console.print(f"[red]cannot reach etcd: {exc}[/red]")
         raise typer.Exit(3) from None

@@ -3,14 +3,21 @@
 Exit codes mirror the job: 0 SUCCEEDED (or still live, for `status`), 1
 FAILED, 130 CANCELLED; 2 a request the service refused (its message is
 printed), 3 the service could not be reached.
+
+The token: `--token`, else $COORDINATOR_TOKEN, else (for a service on this
+host's loopback) the `api-token` file that `coordinator serve` made in its data
+directory: $COORDINATOR_DATA, else ./coordinator-data (serve's own default).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any, NoReturn
+from urllib.parse import urlsplit
 
 import httpx
 import typer
@@ -28,7 +35,11 @@ err = Console(stderr=True)
 ServerOption = Annotated[str, typer.Option(envvar="COORDINATOR_SERVER", help="the service's URL")]
 TokenOption = Annotated[
     str | None,
-    typer.Option(envvar="COORDINATOR_TOKEN", help="bearer token", show_default=False),
+    typer.Option(
+        envvar="COORDINATOR_TOKEN",
+        help="bearer token [a local service's DATA_DIR/api-token]",
+        show_default=False,
+    ),
 ]
 OUTCOME_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 RECONNECTS = 20  # an events stream that breaks is resumed this often before giving up
@@ -38,6 +49,7 @@ class Api:
     """Calls to one service; a refusal or an unreachable service ends the command."""
 
     def __init__(self, server: str, token: str | None) -> None:
+        token = token or local_token(server)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(base_url=server, headers=headers, timeout=30.0)
 
@@ -79,6 +91,22 @@ class Api:
                     err.print(f"[red]the events stream kept breaking: {exc}[/red]")
                     raise typer.Exit(3) from None
                 time.sleep(min(0.2 * 2**attempt, 5.0))  # back off before resuming
+
+
+def local_token(server: str) -> str | None:
+    """The token of a service on this host's loopback, from the `api-token` its `serve`
+    made (see the module docstring); None for another host or no such file."""
+    from coordinator.rendezvous.address import is_loopback
+    from coordinator.service.auth import find_token
+
+    if not is_loopback(urlsplit(server).hostname or ""):
+        return None
+    folders = [Path(os.environ.get("COORDINATOR_DATA") or "coordinator-data")]
+    try:
+        return find_token(folders)
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
 
 
 def _refused(response: httpx.Response) -> NoReturn:

@@ -7,9 +7,12 @@ import os
 import queue
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -41,7 +44,15 @@ from coordinator.cli.options import (
     etcd_security,
     parse_param_option,
 )
+from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.etcd.users import (
+    CannotManageUsers,
+    provision_job,
+    revoke_job,
+    write_password_file,
+)
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
 from coordinator.worker import EXIT_INTERRUPTED, WorkerOptions, run_worker
@@ -110,14 +121,58 @@ def worker(
 
 
 @contextlib.contextmanager
-def _etcd_endpoint(etcd: str | None) -> Iterator[str]:
-    """The given endpoints, or an embedded etcd for the duration of the block."""
-    if etcd:
-        yield etcd
+def _etcd_endpoint(
+    etcd: str | None, namespace: str, job_id: str, security: EtcdSecurity
+) -> Iterator[str]:
+    """The given endpoints, or an embedded etcd (auth on), for the duration of the block;
+    the workers' etcd settings exported for them to inherit: a user of the job's own
+    when the settings may make one, else the settings as given."""
+    with tempfile.TemporaryDirectory(prefix="coordinator-run-") as private:  # 0700
+        if etcd:
+            with _job_user(etcd, namespace, job_id, security, Path(private)):
+                yield etcd
+            return
+        with EmbeddedEtcd() as server:
+            console.print(
+                f"[dim]embedded etcd at {server.endpoint} (data in {server.data_dir})[/dim]"
+            )
+            with _job_user(server.endpoint, namespace, job_id, server.security, Path(private)):
+                yield server.endpoint
+
+
+@contextlib.contextmanager
+def _job_user(
+    endpoint: str, namespace: str, job_id: str, security: EtcdSecurity, private: Path
+) -> Iterator[None]:
+    """Export a job user's settings while the block runs, and remove the user after it
+    (nothing when etcd has no auth, or `security`'s user may not make users)."""
+    try:
+        admin = Etcd(endpoint, namespace=namespace, security=security, probe=f"jobs/{job_id}/")
+    except EtcdError:  # the workers will say what is wrong, each as it connects
+        security.export()
+        yield
         return
-    with EmbeddedEtcd() as server:
-        console.print(f"[dim]embedded etcd at {server.endpoint} (data in {server.data_dir})[/dim]")
-        yield server.endpoint
+    try:
+        credentials = provision_job(admin, job_id) if admin.auth_enabled() else None
+    except CannotManageUsers as exc:
+        console.print(f"[yellow]workers connect as {security.user}: {exc}[/yellow]")
+        credentials = None
+    except ValueError:  # not a job id: each worker names the problem
+        credentials = None
+    if credentials is None:
+        admin.close()
+        security.export()
+        yield
+        return
+    password_file = write_password_file(private / "job.password", credentials.password)
+    replace(security, user=credentials.user, password_file=str(password_file)).export()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(EtcdError):
+            revoke_job(admin, job_id)
+        admin.close()
+        security.export()
 
 
 def run(
@@ -151,9 +206,9 @@ def run(
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
-    # Exported into the environment: the workers inherit it (a plain embedded etcd
-    # takes no TLS settings, so those need --etcd).
-    etcd_security(
+    # Checked here; the workers inherit the settings from the environment (a job user's,
+    # see `_etcd_endpoint`; the embedded etcd takes no TLS settings, so those need --etcd).
+    security = etcd_security(
         etcd or "127.0.0.1:2379", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
     )
     job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
@@ -162,7 +217,7 @@ def run(
     # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        with _etcd_endpoint(etcd) as endpoint:
+        with _etcd_endpoint(etcd, namespace, job_id, security) as endpoint:
             args = [
                 "--job", job_id, "--world-size", str(workers), "--etcd", endpoint,
                 "--kind", kind.value, "--namespace", namespace, "--ttl", str(ttl),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from typing import Annotated
 
@@ -11,7 +12,7 @@ from rich.console import Console
 from coordinator.etcd.client import parse_endpoints
 from coordinator.etcd.security import ENV, EtcdSecurity, SecurityError
 from coordinator.jobs import JOB_KINDS
-from coordinator.jobs.params import parse_params
+from coordinator.jobs.params import parse_param_list, parse_params
 
 console = Console(stderr=True)
 
@@ -46,7 +47,9 @@ TimeoutOption = Annotated[
 ParamOption = Annotated[
     list[str] | None,
     typer.Option(
-        envvar="COORDINATOR_PARAMS", help="job parameter KEY=VALUE (repeat, or comma-separate)"
+        help="job parameter KEY=VALUE, taken whole (repeat for more) "
+        "[$COORDINATOR_PARAMS: KEY=VALUE,KEY=VALUE]",
+        show_default=False,
     ),
 ]
 ConnectTimeoutOption = Annotated[
@@ -129,9 +132,12 @@ def etcd_security(
 
 
 def parse_param_option(param: list[str] | None) -> dict[str, str]:
-    """The --param values as a dict; a value that is not KEY=VALUE is a bad --param."""
+    """The --param values as a dict, each one whole (a value's commas stay in it); without
+    any, $COORDINATOR_PARAMS (comma-separated: a manifest's). Not KEY=VALUE: a bad --param."""
     try:
-        return parse_params(param or [])
+        if param:
+            return parse_params(param)
+        return parse_param_list(os.environ.get("COORDINATOR_PARAMS", ""))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--param") from None
 

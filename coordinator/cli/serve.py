@@ -37,6 +37,22 @@ def serve(
             help="member logs, default artifacts, and the embedded etcd's data",
         ),
     ] = Path("coordinator-data"),
+    data_root: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="COORDINATOR_DATA_ROOT",
+            help="the folder jobs' data and eval_data paths must be in [DATA_DIR/data]",
+            show_default=False,
+        ),
+    ] = None,
+    artifacts_root: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="COORDINATOR_ARTIFACTS_ROOT",
+            help="the folder jobs' artifacts must be in [DATA_DIR/artifacts]",
+            show_default=False,
+        ),
+    ] = None,
     max_workers: Annotated[
         int, typer.Option(min=1, help="worker slots: jobs queue until theirs are free")
     ] = max(2, 2 * (os.cpu_count() or 1)),
@@ -44,10 +60,13 @@ def serve(
     member_ttl: Annotated[int, typer.Option(min=2, help="lease TTL of the members")] = 10,
     token_file: Annotated[
         Path | None,
-        typer.Option(envvar="COORDINATOR_TOKEN_FILE", help="lines of '<read|submit> <token>'"),
+        typer.Option(
+            envvar="COORDINATOR_TOKEN_FILE",
+            help="lines of '<read|submit> <token>', mode 0600 [made: DATA_DIR/api-token]",
+        ),
     ] = None,
     insecure: Annotated[
-        bool, typer.Option(help="listen beyond loopback without tokens (anyone may submit)")
+        bool, typer.Option(help="serve without tokens at all (anyone who reaches it may submit)")
     ] = False,
     default_launcher: Annotated[
         Launcher,
@@ -68,6 +87,15 @@ def serve(
         str | None,
         typer.Option(help="etcd endpoints HOST:PORT[,...] as containers reach them [--etcd]"),
     ] = None,
+    docker_memory: Annotated[
+        str, typer.Option(help="memory limit of each member container (e.g. 2g, 512m)")
+    ] = "2g",
+    docker_pids_limit: Annotated[
+        int, typer.Option(min=1, help="processes and threads of each member container")
+    ] = 1024,
+    docker_artifacts: Annotated[
+        str, typer.Option(help="volume (or absolute host path) at the members' /artifacts")
+    ] = "etcd-coordinator-artifacts",
     k8s_image: Annotated[
         str | None,
         typer.Option(help="worker image: enables the kubernetes launcher (an Indexed Job)"),
@@ -86,16 +114,16 @@ def serve(
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
-    import uvicorn
-
+    os.umask(0o077)  # logs, artifacts, tokens, pidfiles, the etcd's data: the owner's only
     from coordinator.etcd.client import EtcdError
-    from coordinator.service.auth import Tokens
+    from coordinator.service import server
+    from coordinator.service.auth import Tokens, generated_tokens
     from coordinator.service.embedded import ServiceEtcd
     from coordinator.service.launchers import LauncherUnavailable
     from coordinator.service.runner import Service, ServiceOptions
 
-    # Exported into the environment too: the local members inherit it (the embedded
-    # etcd is plain, so TLS settings need --etcd).
+    # Exported into the environment (TLS settings need --etcd). Without --etcd, the
+    # service is root of its own etcd, which has auth on; members get users of their own.
     security = etcd_security(
         etcd or "127.0.0.1:2379", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
     )
@@ -110,8 +138,19 @@ def serve(
             f"{host} is not loopback: give --token-file, or --insecure to serve without auth",
             param_hint="--host",
         )
+    elif not insecure:  # on loopback: a token of its own, never no auth by accident
+        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            tokens = generated_tokens(data_dir.absolute())
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
     if docker_image:
-        from coordinator.service.launchers.docker import container_endpoints
+        from coordinator.service.launchers.docker import check_limits, container_endpoints
+
+        try:
+            check_limits(docker_memory, docker_pids_limit)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--docker-memory") from None
 
         try:  # without --etcd, the embedded etcd: on loopback
             container_endpoints(etcd or "127.0.0.1:2379", docker_etcd)
@@ -127,8 +166,25 @@ def serve(
                 param_hint="--k8s-image",
             ) from None
     data_dir = data_dir.absolute()
+    # Where submitted paths may point; the local members check it again as they read.
+    # (The jobs' default artifacts folder, $COORDINATOR_ARTIFACTS, is the default root.)
+    default_artifacts = os.environ.get("COORDINATOR_ARTIFACTS") or data_dir / "artifacts"
+    roots = {
+        "COORDINATOR_DATA_ROOT": (data_root or data_dir / "data").absolute(),
+        "COORDINATOR_ARTIFACTS_ROOT": (artifacts_root or Path(default_artifacts)).absolute(),
+    }
+    for name, root in roots.items():
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. a folder only the agents' or pods' hosts have
+            console.print(f"[dim]{name.lower()}: {root} is not here ({exc.strerror})[/dim]")
+        os.environ[name] = str(root)
+    os.environ.setdefault("COORDINATOR_ARTIFACTS", str(roots["COORDINATOR_ARTIFACTS_ROOT"]))
     embedded = ServiceEtcd(data_dir) if not etcd else None
     endpoint = etcd or (embedded.endpoint if embedded else "")
+    if embedded is not None:
+        security = embedded.security
+        security.export()
     options = ServiceOptions(
         etcd=endpoint,
         namespace=namespace,
@@ -142,6 +198,9 @@ def serve(
         docker_network=docker_network,
         docker_host=docker_host,
         docker_etcd=docker_etcd,
+        docker_memory=docker_memory,
+        docker_pids_limit=docker_pids_limit,
+        docker_artifacts=docker_artifacts,
         k8s_image=k8s_image,
         k8s_namespace=k8s_namespace,
         k8s_etcd=k8s_etcd,
@@ -160,8 +219,13 @@ def serve(
         raise typer.BadParameter(str(exc), param_hint="--k8s-image") from None
     console.print(f"[dim]etcd at {endpoint}; data in {data_dir}[/dim]")
     service.start()
+    shown = "[::1]" if host == "::1" else host
+    link = f"http://{shown}:{port}/"
+    if tokens is not None and token_file is None:  # in the fragment: a browser never sends it
+        link += f"#token={tokens.strongest()}"
+    console.print(f"dashboard: {link}", soft_wrap=True, highlight=False)
     try:
-        uvicorn.run(service.app, host=host, port=port, log_level="warning")
+        server.run(service.app, host, port, grace)
     finally:
         idle = service.idle()
         service.stop()

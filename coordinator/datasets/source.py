@@ -2,6 +2,10 @@
 
 Parsing resolves globs to a sorted file list up front: every member must see the same files in
 the same order, since shards are planned over file indices. It does no reading beyond that.
+Under `shape_only()` (the REST API checking a submitted job) it does not even that: a path's
+format comes from its name, and the members, which read the files, resolve the glob. Where
+`COORDINATOR_DATA_ROOT` is set (members of `coordinator serve`), every file must resolve,
+symlinks followed, to a place under it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import glob
 import importlib.util
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,6 +35,23 @@ EXTENSIONS: dict[str, Kind] = {
 
 _SYNTHETIC = re.compile(r"(\d+)x(\d+)(?::(\d+))?")
 _GLOB_CHARS = ("*", "?", "[")
+DATA_ROOT_ENV = "COORDINATOR_DATA_ROOT"  # set by `coordinator serve` for its members
+_SHAPE_ONLY: ContextVar[bool] = ContextVar("shape_only", default=False)
+
+
+@contextmanager
+def shape_only() -> Iterator[None]:
+    """Parse sources (and job parameters) without touching the disk: no glob, no stat, no
+    folder made. The REST API checks a submitted job so; only its members read files."""
+    token = _SHAPE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPE_ONLY.reset(token)
+
+
+def is_shape_only() -> bool:
+    return _SHAPE_ONLY.get()
 
 
 def _breast_cancer() -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +136,7 @@ def parse_source(
             "or give synthetic:ROWSxFEATURES or a .csv/.parquet/.libsvm path)"
         )
 
-    files = _match_files(text, field)
+    files = [text] if is_shape_only() else _confined(_match_files(text, field), field)
     kind = _format_of(files, field)
     label: int | str | None
     if kind == "csv":
@@ -134,9 +157,22 @@ def parse_source(
 
 def _looks_like_name(text: str) -> bool:
     """A bare word (no directory, extension or glob) that is no file: meant as a builtin."""
-    return not any(
-        char in text for char in (*_GLOB_CHARS, ".", "/", os.sep)
-    ) and not os.path.exists(text)
+    return not any(char in text for char in (*_GLOB_CHARS, ".", "/", os.sep)) and (
+        is_shape_only() or not os.path.exists(text)
+    )
+
+
+def _confined(files: list[str], field: str) -> list[str]:
+    """The files, if each resolves (symlinks followed) under $COORDINATOR_DATA_ROOT."""
+    root = os.environ.get(DATA_ROOT_ENV)
+    if not root:
+        return files
+    real_root = os.path.realpath(root)
+    for path in files:
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise ValueError(f"{field}: {path!r} is outside the data root {root}")
+    return files
 
 
 def _match_files(text: str, field: str) -> list[str]:

@@ -2,13 +2,18 @@
 
 The files in `k8s/` are the source of truth (`kubectl apply -k k8s/` works on them
 directly). `worker_job` fills in the values that change from job to job in the
-Job of `k8s/workers.yaml`; `coordinator k8s` (`render`) and the service's
+Job template of `k8s/job.yaml`; `coordinator k8s` (`render`) and the service's
 `kubernetes` launcher both build their Job with it, so what a user renders, what
 the service creates and what the repository ships cannot drift apart.
+
+A job's pods connect to etcd as the job's own etcd user, from a Secret named after
+the Job (`credentials_secret`, keys `user` and `password`): the launcher creates it
+with the Job (`credentials_secret_body`), owned by it.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import os
@@ -19,8 +24,8 @@ from typing import Any
 import yaml
 
 from coordinator.etcd.client import parse_endpoints
+from coordinator.etcd.names import check_name
 from coordinator.jobs import JOB_KINDS
-from coordinator.rendezvous.member import check_name
 
 #: The repository's `k8s/` folder: the repository root is the parent of `coordinator/`.
 MANIFEST_DIR = Path(__file__).resolve().parents[2] / "k8s"
@@ -30,11 +35,11 @@ DEFAULT_NAMESPACE = "/coordinator"
 MAX_WORKERS = 100_000
 #: The files of one job's objects (what `render` prints): etcd, the workers' Service,
 #: the artifacts volume and the Job. The rest of the kustomization (the service, the
-#: agents) is the standing product, applied once.
-JOB_FILES = ("etcd.yaml", "workers.yaml")
-#: The file whose Job is the template of every job's members.
-WORKERS_FILE = "workers.yaml"
-#: A folder holding `workers.yaml` where the package has no `k8s/` next to it (an
+#: agents, the policies) is the standing product, applied once.
+JOB_FILES = ("etcd.yaml", "workers.yaml", "job.yaml")
+#: The file whose Job is the template of every job's members (not applied by itself).
+WORKERS_FILE = "job.yaml"
+#: A folder holding `job.yaml` where the package has no `k8s/` next to it (an
 #: installed image): the service's Deployment mounts it from a ConfigMap.
 MANIFESTS_ENV = "COORDINATOR_MANIFESTS"
 
@@ -99,6 +104,74 @@ def _config_map(folder: Path, generator: dict[str, Any]) -> Manifest:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
 
 
+#: The pod template's volume of the job's etcd credentials, and the variable of its user.
+CREDENTIALS_VOLUME = "etcd-credentials"
+USER_ENV = "COORDINATOR_ETCD_USER"
+PASSWORD_FILE_ENV = "COORDINATOR_ETCD_PASSWORD_FILE"
+
+
+def credentials_secret(job_name: str) -> str:
+    """The Secret holding the etcd user of the Job `job_name`'s pods (fits 253 chars)."""
+    return f"{job_name}-etcd"
+
+
+def credentials_secret_body(
+    name: str, user: str, password: str, owner: Manifest, labels: dict[str, str]
+) -> Manifest:
+    """The Secret of a Job's etcd user, owned by the Job (`owner`, as the API returned it,
+    with its uid): Kubernetes deletes it with the Job."""
+    metadata = owner.get("metadata") or {}
+    if not metadata.get("uid") or not metadata.get("name"):
+        raise ValueError("the owner Job has no name or uid (not as the API returned it)")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": name,
+            "labels": dict(labels),
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": metadata["name"],
+                    "uid": metadata["uid"],
+                    "blockOwnerDeletion": False,
+                }
+            ],
+        },
+        "data": {
+            "user": base64.b64encode(user.encode()).decode(),
+            "password": base64.b64encode(password.encode()).decode(),
+        },
+    }
+
+
+def _set_credentials(pod: Manifest, secret: str | None) -> None:
+    """Point the pod's credentials volume and user variable at `secret`; with None, take
+    them out (an etcd without auth: the pods connect without a user)."""
+    volumes = pod.get("volumes", [])
+    mounted = [v for v in volumes if v["name"] == CREDENTIALS_VOLUME]
+    for volume in mounted:
+        volume["secret"]["secretName"] = secret
+    if secret is None:
+        pod["volumes"] = [v for v in volumes if v["name"] != CREDENTIALS_VOLUME]
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        if secret is None:
+            container["env"] = [
+                var
+                for var in container.get("env", [])
+                if var["name"] not in (USER_ENV, PASSWORD_FILE_ENV)
+            ]
+            mounts = container.get("volumeMounts", [])
+            container["volumeMounts"] = [m for m in mounts if m["name"] != CREDENTIALS_VOLUME]
+            continue
+        for var in container.get("env", []):
+            reference = (var.get("valueFrom") or {}).get("secretKeyRef")
+            if var["name"] == USER_ENV and reference is not None:
+                reference["name"] = secret
+
+
 def job_manifests(folder: Path | None = None) -> list[Manifest]:
     """The objects of one job (`JOB_FILES`), as shipped."""
     folder = folder or manifest_dir()
@@ -106,7 +179,7 @@ def job_manifests(folder: Path | None = None) -> list[Manifest]:
 
 
 def job_template(folder: Path | None = None) -> Manifest:
-    """The Job of `workers.yaml`: from `folder`, else $COORDINATOR_MANIFESTS, else `k8s/`.
+    """The Job of `job.yaml`: from `folder`, else $COORDINATOR_MANIFESTS, else `k8s/`.
 
     The service's kubernetes launcher reads it once when it starts; in an image without
     the repository, the Deployment mounts the file there from a ConfigMap.
@@ -188,6 +261,8 @@ def render(
 
     `params` is the job's COORDINATOR_PARAMS (KEY=VALUE,..., e.g. `epochs=3` for mnist).
     With `etcd`, the bundled etcd is left out and the workers use those endpoints.
+    The pods read their etcd user from the Secret `<job name>-etcd`, which the one who
+    applies them creates (docs/kubernetes.md).
     Raises InvalidValue (a ValueError naming the field) for bad input.
     """
     endpoints = _check(workers, job, image, etcd, kind, params)
@@ -216,14 +291,17 @@ def worker_job(
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
     grace_seconds: int | None = None,
+    credentials: bool = True,
 ) -> Manifest:
     """The Indexed Job of one job's `workers` members: `template` (the Job of
-    `workers.yaml` when None) with N, the job id, the image and the environment set.
+    `job.yaml` when None) with N, the job id, the image and the environment set.
 
     The launcher also gives `name` (one Job per attempt, `job_name(job)` otherwise),
     the worker's `args` (`["worker", ...]`: its options win over the environment),
     `labels` and `annotations` for the Job and its pods (to find them again), and the
-    pods' `grace_seconds` from SIGTERM to SIGKILL.
+    pods' `grace_seconds` from SIGTERM to SIGKILL. The pods' etcd user comes from the
+    Secret `credentials_secret(name)`; `credentials=False` leaves it out (an etcd
+    without auth).
     """
     endpoints = _check(workers, job, image, etcd, kind, params)
     result = copy.deepcopy(template if template is not None else job_template())
@@ -247,6 +325,7 @@ def worker_job(
     if endpoints is not None:
         values["COORDINATOR_ETCD"] = endpoints
     pod = pod_template["spec"]
+    _set_credentials(pod, credentials_secret(metadata["name"]) if credentials else None)
     if grace_seconds is not None:
         pod["terminationGracePeriodSeconds"] = grace_seconds
     for container in [*pod.get("initContainers", []), *pod["containers"]]:

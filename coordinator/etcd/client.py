@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 from pyetcd import etcdrpc
@@ -503,7 +503,11 @@ class Etcd:
         connect_timeout: float = 10.0,
         retry_window: float | None = None,
         security: EtcdSecurity | None = None,
+        probe: str = "",
     ) -> None:
+        """`probe`: the part of the namespace this client must read and write, checked on
+        connecting (`jobs/<id>/` for a member, whose user may touch only its job; empty:
+        the whole namespace)."""
         parsed = parse_endpoints(endpoints)
         self.security = EtcdSecurity.from_env() if security is None else security
         self.security.check_endpoints(parsed)
@@ -511,6 +515,7 @@ class Etcd:
         # Bare HOST:PORT, as address lookups want them; `urls` gives them to members.
         self.endpoints = [e.removeprefix("https://") for e in parsed]
         self.namespace = "/" + namespace.strip("/") if namespace.strip("/") else ""
+        self.probe_prefix = f"{self.namespace}/{probe.lstrip('/')}"
         self.timeout = timeout
         self.retry_window = connect_timeout if retry_window is None else retry_window
         self._credentials = self._tls_credentials() if self.secure else None
@@ -518,7 +523,9 @@ class Etcd:
         self._lock = threading.Lock()
         self._index = 0
         self._channel: grpc.Channel | None = None
-        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher] | None = None
+        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher, etcdrpc.AuthStub] | None = (
+            None
+        )
         self._closed = False
         self.operations = 0  # requests sent, for benchmarks
         self._connect(connect_timeout)
@@ -542,10 +549,10 @@ class Etcd:
         )
 
     def _connect(self, connect_timeout: float) -> None:
-        # One transaction that etcd's auth checks for reading and writing the namespace
+        # One transaction that etcd's auth checks for reading and writing the probed prefix
         # (it checks both branches) but that writes nothing: its condition never holds.
         # A user without rights on the prefix is refused here, not in the middle of a job.
-        prefix = self.namespace + "/"
+        prefix = self.probe_prefix
         probe = etcdrpc.TxnRequest(
             compare=[
                 etcdrpc.Compare(
@@ -576,7 +583,7 @@ class Etcd:
                 f"{connect_timeout:g}s: {exc.reason}"
             ) from exc.__cause__
 
-    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher]:
+    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher, etcdrpc.AuthStub]:
         with self._lock:
             if self._closed:
                 raise EtcdError("etcd client is closed")
@@ -597,6 +604,7 @@ class Etcd:
                     etcdrpc.KVStub(channel),
                     etcdrpc.LeaseStub(channel),
                     Watcher(etcdrpc.WatchStub(channel), timeout=self.timeout),
+                    etcdrpc.AuthStub(channel),
                 )
             return self._stubs
 
@@ -608,6 +616,22 @@ class Etcd:
 
     def _watcher(self) -> Watcher:
         return self._current()[2]
+
+    def auth_api(self, method: str, request: Any) -> Any:
+        """One call of etcd's Auth service (`UserAdd`, `RoleGrantPermission`, ...) with this
+        client's token and retries; what it may do is up to etcd (users and roles: the
+        root role only). A refusal raises EtcdError, its cause the grpc.RpcError."""
+        return self._call(
+            lambda: getattr(self._current()[3], method)(request, timeout=self.timeout)
+        )
+
+    def auth_enabled(self) -> bool:
+        """Whether etcd asks for credentials (known by authenticating; without a user this
+        client could only have connected to an etcd that does not)."""
+        if self._auth is None:
+            return False
+        auth = self._auth
+        return bool(self._call(lambda: (self._current(), auth.token())[1]))
 
     def _rotate(self) -> None:
         """Move to the next endpoint; with one endpoint gRPC reconnects by itself."""
@@ -626,6 +650,7 @@ class Etcd:
         """Send one request, retrying transient failures for `window` seconds."""
         deadline = time.monotonic() + (self.retry_window if window is None else window)
         delay = 0.05
+        fresh_token = False  # retried once at once after etcd turned our token down
         while True:
             self.operations += 1
             try:
@@ -639,6 +664,9 @@ class Etcd:
                     raise refusal from exc
                 if self._auth is not None and token_rejected(code, details):
                     self._auth.invalidate()  # the retry authenticates again
+                    if not fresh_token:  # (users or roles changed: a new token fixes it)
+                        fresh_token = True
+                        continue
                 elif code not in _TRANSIENT:
                     raise EtcdError(f"etcd refused the request: {code.name}: {details}") from exc
                 cause: Exception = exc
@@ -701,7 +729,7 @@ class Etcd:
             return EtcdRefused(
                 "permission-denied",
                 f"permission denied: etcd at {at} does not let {who} read and write "
-                f"{self.namespace}/ (grant it a role on that prefix: docs/security.md)",
+                f"{self.probe_prefix} (grant it a role on that prefix: docs/security.md)",
             )
         return None
 

@@ -3,6 +3,12 @@
 It binds free loopback ports and a private data dir, so several can run side by
 side, and it can be stopped and started again on the same data dir and ports
 (to show that members survive an etcd restart).
+
+Its auth is on unless asked otherwise: a loopback port is open to every local
+user, so without it anyone on the host could read every job and write a job
+record the service would run. The root password is made on the first start, in
+a file only its owner reads, in the (owner-only) data dir; `security` says how
+to connect as root.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.users import ROOT, new_password, write_password_file
 
 
 class EtcdServerError(RuntimeError):
@@ -71,7 +80,13 @@ class EmbeddedEtcd:
         startup_timeout: float = 20.0,
         extra_args: list[str] | None = None,
         tls: ServerTls | None = None,
+        auth: bool = True,
     ) -> None:
+        if auth and tls is not None:
+            raise EtcdServerError(
+                "auth over TLS needs a client certificate to set it up with: start with "
+                "auth=False and add users yourself (docs/security.md)"
+            )
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="coordinator-etcd-"))
         self.client_port = free_port()
@@ -84,6 +99,15 @@ class EmbeddedEtcd:
         self.extra_args = extra_args or []
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.auth = auth
+        self.password_file = self.data_dir / "root.password"
+
+    @property
+    def security(self) -> EtcdSecurity:
+        """How to connect as root (no settings with auth off)."""
+        if not self.auth:
+            return EtcdSecurity()
+        return EtcdSecurity(user=ROOT, password_file=str(self.password_file))
 
     @property
     def endpoint(self) -> str:
@@ -93,6 +117,10 @@ class EmbeddedEtcd:
     def start(self) -> EmbeddedEtcd:
         if self.process is not None:
             raise EtcdServerError("embedded etcd is already running")
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # etcd's data holds the users' password hashes
+        if self.auth and not self.password_file.exists():
+            write_password_file(self.password_file, new_password())
         client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         args = [
@@ -106,6 +134,10 @@ class EmbeddedEtcd:
             "--initial-cluster", f"embedded={peer_url}",
             "--log-level", "error",
             *self._tls_args(),
+            # Every password etcd checks here is 256 random bits (`new_password`): bcrypt's
+            # stretching adds nothing against guessing them, and at its default cost of 10
+            # each Authenticate (every member, every token renewal) would cost ~50 ms.
+            *(["--bcrypt-cost", "4"] if self.auth else []),
             *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
@@ -116,10 +148,23 @@ class EmbeddedEtcd:
             )
         try:
             self._wait_healthy()
+            if self.auth:
+                self._enable_auth()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _enable_auth(self) -> None:
+        """Root user and role, then auth on (a no-op once done: the data dir keeps it)."""
+        from coordinator.etcd.client import Etcd, EtcdError
+        from coordinator.etcd.users import enable_auth
+
+        try:
+            with Etcd(self.endpoint, namespace="", security=self.security) as etcd:
+                enable_auth(etcd, self.security.password())
+        except EtcdError as exc:
+            raise EtcdServerError(f"could not turn etcd's auth on: {exc}") from exc
 
     def _tls_args(self) -> list[str]:
         if self.tls is None:

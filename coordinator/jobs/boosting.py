@@ -189,7 +189,12 @@ class XGBoostJob:
 
     def _start_tracker(self, member: Member) -> None:
         assert member.roster is not None
-        host = member.roster.leader.host  # the address the others reach the leader at
+        # Bound to the leader's roster address only (never all interfaces). The tracker
+        # and the collective's own worker links are XGBoost's protocol, to which we cannot
+        # add the members' handshake: anyone who reaches the tracker's port during the
+        # rendezvous can still claim a task or disturb the collective. Keep those ports
+        # reachable only from the job's members (network policy, a private network).
+        host = member.roster.leader.host
         self.tracker = RabitTracker(
             n_workers=self.world_size,
             host_ip=host,

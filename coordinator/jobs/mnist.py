@@ -125,6 +125,12 @@ class MnistOptions:
         assert self.epochs is not None
         return self.epochs * steps_per_epoch(self.shard_rows(trainer), self.batch_size)
 
+    def most_updates(self) -> int:
+        """The most updates a server can apply in one run: a PULL for a later version
+        would wait for ever, so the server refuses it."""
+        targets = [self.target(t) for t in range(self.trainers)]
+        return max(targets) if self.aggregate else sum(targets)
+
     def shard_rows(self, trainer: int) -> int:
         return sum(p.rows for p in plan([self.data.train_count], self.trainers)[trainer])
 
@@ -287,8 +293,12 @@ class MnistJob:
                 checkpoint=folder / "checkpoint" / f"server-{rank}.pt",
                 checkpoint_every=options.checkpoint_every,
                 resume=options.resume,
+                max_updates=options.most_updates(),
             )
-            member.serve(self.server.handle)
+            # A connection may be quiet for as long as training may stall (the phase
+            # timeout) or between two evaluations (server 0 reading the others).
+            quiet = max(member.timeout, 2 * options.eval_seconds + member.ttl)
+            member.serve(self.server.handle, idle_timeout=quiet)
             if rank == 0:
                 self.test = load_test(options.data)
         else:
@@ -334,6 +344,7 @@ class MnistJob:
                 round_=member.round,
                 trainer=trainer,
                 timeout=member.timeout,
+                secret=_secret(member),
             )
         except (OSError, ProtocolError) as exc:
             self._explain(member, exc)
@@ -601,6 +612,7 @@ class Evaluator:
                 round_=member.round,
                 trainer=None,
                 timeout=member.timeout,
+                secret=_secret(member),
             )
         assert job.test is not None
         self.x, self.y = torch.from_numpy(job.test.x), torch.from_numpy(job.test.y)
@@ -657,6 +669,13 @@ class Evaluator:
         self._stop.set()
         if self.links is not None:
             self.links.close()
+
+
+def _secret(member: Member) -> bytes:
+    """The round's secret, with which this member's links prove they are the job's."""
+    if member.roster is None:
+        raise RuntimeError("the member holds no roster")
+    return member.roster.secret_bytes
 
 
 def _rank(member: Member) -> int:

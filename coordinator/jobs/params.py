@@ -6,18 +6,27 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from coordinator.datasets.source import is_shape_only
+
+ARTIFACTS_ROOT_ENV = "COORDINATOR_ARTIFACTS_ROOT"  # set by `coordinator serve` for its members
+
 
 def parse_params(items: list[str]) -> dict[str, str]:
-    """`["a=1", "b=x"]` (from repeated --param, or one comma-separated string) to a dict."""
+    """`["a=1", "b=x,y"]` (repeated --param) to a dict: each item is one KEY=VALUE, split at
+    its first `=` only, so a value keeps its commas and can never become two parameters."""
     params = {}
-    for item in (part.strip() for entry in items for part in entry.split(",")):
-        if not item:
-            continue
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"job parameter {item!r} is not KEY=VALUE")
         params[key.strip()] = value.strip()
     return params
+
+
+def parse_param_list(text: str) -> dict[str, str]:
+    """`"a=1,b=2"`: the comma-separated form of $COORDINATOR_PARAMS (an operator's manifest,
+    never a submitted job: the service passes each parameter as a --param of its own)."""
+    return parse_params([part for part in (p.strip() for p in text.split(",")) if part])
 
 
 def check_known(job: str, params: dict[str, str], known: Iterable[str]) -> None:
@@ -58,10 +67,18 @@ def float_param(job: str, params: dict[str, str], name: str, default: float) -> 
 
 def artifacts_dir(job: str, params: dict[str, str]) -> Path:
     """Where a job saves its model: `artifacts`, else $COORDINATOR_ARTIFACTS, else
-    ./artifacts; created and checked writable before the member joins."""
+    ./artifacts; created and checked writable before the member joins (and under
+    $COORDINATOR_ARTIFACTS_ROOT, symlinks followed, where that is set)."""
     path = Path(
         params.get("artifacts") or os.environ.get("COORDINATOR_ARTIFACTS") or "artifacts"
     ).absolute()
+    if is_shape_only():
+        return path
+    root = os.environ.get(ARTIFACTS_ROOT_ENV)
+    if root:
+        real, real_root = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise ValueError(f"{job} job: parameter artifacts: {path} is outside {root}")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

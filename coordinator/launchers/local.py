@@ -68,10 +68,13 @@ class LocalLauncher:
                 event = json.loads(line)
             except ValueError:
                 continue
-            if event.get("rank") is not None:
-                worker.rank = event["rank"]
+            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+                continue  # a line that only looks like an event: not ours to act on
+            rank = event.get("rank")
+            if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+                worker.rank = rank
             if event["event"] == "phase":
-                worker.phase = event["phase"]
+                worker.phase = str(event.get("phase"))
             elif event["event"] == "done":
                 worker.done = event
             elif event["event"] == "failed":

@@ -18,6 +18,7 @@ from coordinator.ps import wire
 from coordinator.ps.model import FlatModel
 from coordinator.ps.wire import Dtype, Kind
 from coordinator.rendezvous.endpoint import open_channel
+from coordinator.rendezvous.handshake import key_for
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,12 @@ class ServerAddress:
 
 
 class ServerLinks:
-    """One connection per server; `pull` and `push` talk to all of them."""
+    """One connection per server; `pull` and `push` talk to all of them.
+
+    Each connection first proves `secret` (the round's, from the roster) to the
+    server's member endpoint and checks the server's proof. `secret=None` skips
+    that, for a server that is not behind a member endpoint (the bench's baseline).
+    """
 
     def __init__(
         self,
@@ -40,6 +46,7 @@ class ServerLinks:
         round_: int,
         trainer: int | None,
         timeout: float,
+        secret: bytes | None,
     ) -> None:
         self.flat, self.servers = flat, servers
         self.socks: list[socket.socket] = []
@@ -47,7 +54,12 @@ class ServerLinks:
         self.clocks = [0] * len(servers)
         try:
             for server in servers:
-                sock = open_channel(server.host, server.port, job_id, server.member_id, timeout)
+                if secret is None:
+                    sock = socket.create_connection((server.host, server.port), timeout)
+                    sock.settimeout(None)
+                else:
+                    key = key_for(secret, job_id, round_, server.member_id)
+                    sock = open_channel(server.host, server.port, key, timeout)
                 self.socks.append(sock)
                 wire.tune(sock)
                 digest = wire.layout_digest(flat.layouts[server.rank])

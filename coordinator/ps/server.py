@@ -16,6 +16,13 @@ trainer ever reads weights an update is half-way through.
 Every `checkpoint_every` updates the server writes its share, the optimizer
 state, its version and the trainers' clocks to a file (temporary name, then
 rename), from which a rerun with `resume` continues.
+
+A connection reaches `handle` only after the member endpoint's handshake, so
+HELLO's fields are read from a peer that proved the round's secret; still every
+field and header is checked: HELLO strictly typed, a trainer index in range and
+claimed once, no payload where none belongs, a gradient exactly the layout's
+size (checked before reading it), a version no later than the job can reach,
+and a PULL waits for a version no longer than the connection's idle timeout.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from coordinator.ps import wire
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
-from coordinator.ps.wire import Dtype, Kind, PeerClosed, ProtocolError
+from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
+
+MAX_CLOCK = 1 << 40  # a trainer's clock in a PUSH: far beyond any job, far below overflow
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,10 @@ class ParameterServer:
         checkpoint: Path | None = None,
         checkpoint_every: int = 0,
         resume: bool = False,
+        max_updates: int | None = None,
     ) -> None:
+        """`max_updates`: the most updates this run can apply (None: no bound); a PULL
+        for a later version is refused instead of waiting for ever."""
         self.job_id, self.round, self.index = job_id, round_, index
         self.layout = [(name, list(t.shape)) for name, t in tensors]
         self.digest = wire.layout_digest(self.layout)
@@ -143,6 +154,7 @@ class ParameterServer:
         if resume and checkpoint is not None and checkpoint.exists():
             self._restore(checkpoint)
         self.start_clocks = {t: s.clock for t, s in self.trainers.items()}
+        self.last_version = None if max_updates is None else self.version + max_updates
 
     # -- the protocol, one thread per connection ---------------------------
 
@@ -152,12 +164,13 @@ class ParameterServer:
         try:
             header = wire.receive_header(sock)
         except (PeerClosed, ProtocolError):
-            return  # a greeting probe: it closed after reading the greeting
+            return  # a probe: it closed after the handshake
         trainer: int | None = None
         try:
             if header.kind != Kind.HELLO:
                 raise ProtocolError(f"expected HELLO, got {header.kind.name}")
-            trainer = self._welcome(sock, wire.receive_json(sock, header))
+            hello = wire.read_hello(wire.receive_json(sock, header))
+            trainer = self._welcome(sock, hello)
             self._serve(sock, trainer)
         except (PeerClosed, ProtocolError) as exc:
             if trainer is not None:
@@ -166,23 +179,25 @@ class ParameterServer:
                 with contextlib.suppress(OSError):  # it may be gone already
                     wire.send_json(sock, Kind.ERROR, {"message": str(exc)})
 
-    def _welcome(self, sock: socket.socket, hello: dict[str, Any]) -> int | None:
-        """Check who is calling; returns its trainer index (None for a reader)."""
-        if (hello.get("job"), hello.get("round")) != (self.job_id, self.round):
+    def _welcome(self, sock: socket.socket, hello: Hello) -> int | None:
+        """Check who is calling; returns its trainer index (None for a reader). A refusal
+        states the caller's mistake, never this server's job, round or layout."""
+        if (hello.job, hello.round) != (self.job_id, self.round):
+            raise ProtocolError("HELLO names another job or round than this server's")
+        if hello.layout != self.digest:
             raise ProtocolError(
-                f"HELLO from job {hello.get('job')!r} round {hello.get('round')}, "
-                f"this is {self.job_id!r} round {self.round}"
+                f"HELLO's model layout differs from server {self.index}'s: members run "
+                "different model code"
             )
-        if hello.get("layout") != self.digest:
-            raise ProtocolError(
-                f"model layout {hello.get('layout')} differs from server {self.index}'s "
-                f"{self.digest}: members run different model code"
-            )
-        trainer = hello.get("trainer")
+        trainer = hello.trainer
         with self.changed:
             if trainer is not None:
-                if trainer not in self.trainers or self.trainers[trainer].connected:
-                    raise ProtocolError(f"trainer {trainer} is unknown or already connected")
+                if trainer not in self.trainers:
+                    raise ProtocolError(
+                        f"trainer {trainer} is not one of the {len(self.trainers)} trainers"
+                    )
+                if self.trainers[trainer].connected:
+                    raise ProtocolError(f"trainer {trainer} is already connected")
                 self.trainers[trainer].connected = True
             clock = self.trainers[trainer].clock if trainer is not None else 0
             wire.send_json(sock, Kind.WELCOME, {"server": self.index}, a=self.version, b=clock)
@@ -193,10 +208,8 @@ class ParameterServer:
         while True:
             header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.BYE)
             if header.kind == Kind.PULL:
-                with self.changed:
-                    while self.version < header.a and not self._closed:
-                        self.changed.wait()
-                    weights, version = self.weights.borrow(), self.version
+                wire.expect_no_payload(header)
+                weights, version = self._borrow_at_least(header.a, sock.gettimeout())
                 try:
                     wire.send(sock, Kind.WEIGHTS, version, 0, [_view(weights)], Dtype.FLOAT32)
                 finally:
@@ -205,6 +218,12 @@ class ParameterServer:
             elif header.kind == Kind.PUSH:
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
+                if header.a > self.version:  # versions only grow: checked before reading
+                    raise ProtocolError(
+                        f"PUSH computed from version {header.a}, which the server has not reached"
+                    )
+                if not 0 < header.b <= MAX_CLOCK:
+                    raise ProtocolError(f"PUSH clock {header.b} is out of range")
                 wire.receive_tensor(sock, header, _view(grad))
                 if self.aggregate:
                     version, staleness = self._aggregate(trainer, header.b, header.a, grad)
@@ -213,6 +232,7 @@ class ParameterServer:
                 else:
                     self._apply(sock, trainer, header.b, header.a, grad)
             else:
+                wire.expect_no_payload(header)
                 with self.changed:
                     if trainer is not None:
                         self.trainers[trainer].finished = True
@@ -220,6 +240,17 @@ class ParameterServer:
                     self.changed.notify_all()
                 wire.send(sock, Kind.ACK, self.version, 0)
                 return
+
+    def _borrow_at_least(self, least: int, timeout: float | None) -> tuple[torch.Tensor, int]:
+        """The published weights once at `least` versions, waiting at most `timeout`."""
+        if self.last_version is not None and least > self.last_version:
+            raise ProtocolError(
+                f"PULL asks for version {least}, beyond the last this run can reach"
+            )
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.version >= least or self._closed, timeout):
+                raise ProtocolError(f"PULL waited {timeout:g}s for version {least} in vain")
+            return self.weights.borrow(), self.version
 
     # -- updates ----------------------------------------------------------
 

@@ -1,10 +1,14 @@
 """The parameter-server wire format: a fixed typed header, then raw bytes.
 
+A connection carries it only after the member endpoint's handshake
+(`coordinator.rendezvous.handshake`): the peer has proved the round's secret.
+
 Every message is a 32-byte header, `!4sBBHQQQ`: magic `CPS1`, kind, dtype,
-flags (unused, 0), two 64-bit fields whose meaning depends on the kind, and the
-length of the payload that follows. Payloads are either UTF-8 JSON (the
-handshake, errors) or raw little-endian float32 tensors laid out as the two
-ends agreed in the handshake (`layout_digest`). Nothing is unpickled.
+flags (0), two 64-bit fields whose meaning depends on the kind, and the
+length of the payload that follows. Payloads are either UTF-8 JSON (HELLO,
+WELCOME, errors; at most `MAX_JSON` bytes) or raw little-endian float32 tensors
+laid out as the two ends agreed in HELLO (`layout_digest`). A declared length
+is checked before a byte of the payload is read. Nothing is unpickled.
 
 Tensors are sent from and received into their own memory (`sendmsg` with a
 list of buffers, `recv_into` a view of the destination), so a pull or a push
@@ -22,9 +26,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 MAGIC = b"CPS1"
 HEADER = struct.Struct("!4sBBHQQQ")
-MAX_JSON = 1 << 20  # a handshake or error message is small; refuse anything bigger
+MAX_JSON = 4096  # HELLO, WELCOME and errors are small; anything bigger is refused unread
 
 
 class Kind(IntEnum):
@@ -103,13 +109,21 @@ def send_json(
 def receive_header(sock: socket.socket) -> Header:
     raw = bytearray(HEADER.size)
     receive_into(sock, memoryview(raw))
-    magic, kind, dtype, _, a, b, size = HEADER.unpack(raw)
+    magic, kind, dtype, flags, a, b, size = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a parameter-server message (magic {bytes(magic)!r})")
+    if flags:
+        raise ProtocolError(f"header flags must be 0, got {flags}")
     try:
         return Header(Kind(kind), Dtype(dtype), a, b, size)
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind} or dtype {dtype}") from None
+
+
+def expect_no_payload(header: Header) -> None:
+    """PULL and BYE carry nothing: a payload would be read as the next header."""
+    if header.size or header.dtype != Dtype.NONE:
+        raise ProtocolError(f"{header.kind.name} carries no payload, got {header.size} B")
 
 
 def receive_into(sock: socket.socket, view: memoryview) -> None:
@@ -133,7 +147,7 @@ def receive_json(sock: socket.socket, header: Header) -> dict[str, Any]:
     receive_into(sock, memoryview(raw))
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
         raise ProtocolError(f"{header.kind.name}: body is not JSON") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"{header.kind.name}: body is not a JSON object")
@@ -160,6 +174,30 @@ def expect(sock: socket.socket, *kinds: Kind) -> Header:
             f"expected {' or '.join(k.name for k in kinds)}, got {header.kind.name}"
         )
     return header
+
+
+class Hello(BaseModel):
+    """HELLO's body, typed strictly: `trainer` is a trainer index (an int, not a bool
+    or a string) or null for a reader; no other fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    job: str = Field(max_length=128)
+    round: int = Field(ge=0, lt=1 << 63)
+    trainer: int | None = Field(ge=0, lt=1 << 31)
+    layout: str = Field(max_length=64)
+
+
+def read_hello(body: dict[str, Any]) -> Hello:
+    """HELLO's body checked; a ProtocolError names the bad fields (never their values)."""
+    try:
+        return Hello.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        )
+        raise ProtocolError(f"HELLO: {problems}") from None
 
 
 def layout_digest(layout: Sequence[tuple[str, Sequence[int]]]) -> str:

@@ -5,7 +5,9 @@ Phases, in order (seed name in brackets where it differs):
 - `leader_election`: claim the smallest free ordinal; rank 0 leads. Ends when
   all N ranks are held.
 - `ip_exchange`: publish this member's address; the leader writes the roster.
-- `connect` [ssh]: the leader checks that it reaches every member's endpoint.
+- `connect` [ssh]: the leader checks that it reaches every member's endpoint,
+  each member the leader's, with a mutual proof of the round's secret (the
+  roster carries it: `handshake`).
 - `barrier(name)`, e.g. `training`: nobody passes before all N arrive.
 - `cleaner`: a last barrier, then every member leaves and the last one out
   deletes the job's rendezvous keys.
@@ -24,7 +26,6 @@ import contextlib
 import json
 import os
 import queue
-import re
 import socket
 import threading
 import time
@@ -36,8 +37,12 @@ from dataclasses import dataclass
 from functools import wraps
 from typing import Any, TypeVar
 
+from pydantic import ValidationError
+
 from coordinator.etcd.client import Etcd, LeaseNotFound, Watch, WatchEvent
+from coordinator.etcd.names import check_name
 from coordinator.etcd.session import Session
+from coordinator.rendezvous import handshake
 from coordinator.rendezvous.address import advertise_address
 from coordinator.rendezvous.endpoint import MemberEndpoint, probe
 from coordinator.rendezvous.errors import (
@@ -68,18 +73,6 @@ def fenced(phase_method: F) -> F:
             ) from exc
 
     return wrapper  # type: ignore[return-value]
-
-
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def check_name(kind: str, value: str) -> str:
-    if not NAME_PATTERN.match(value):
-        raise ValueError(
-            f"{kind} {value!r} must be 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return value
 
 
 class JobKeys:
@@ -252,10 +245,20 @@ class Member:
         arrived = time.time()
         rank, lease = self._require_rank(), self._lease()
         host = advertise_address(self.etcd.endpoints, self._address)
-        try:
-            self._endpoint = MemberEndpoint(self.job_id, self.member_id, host, self._port)
-        except OSError:  # an override that is not a local address (NAT): listen on all
-            self._endpoint = MemberEndpoint(self.job_id, self.member_id, "0.0.0.0", self._port)
+        try:  # the advertised address only, never all interfaces
+            self._endpoint = endpoint = MemberEndpoint(
+                self.job_id,
+                self.member_id,
+                host,
+                self._port,
+                idle_timeout=self.timeout,
+                max_connections=2 * self.world_size + 16,  # every peer twice, and probes
+            )
+        except OSError as exc:
+            raise RendezvousError(
+                f"cannot listen on the advertised address {host} port {self._port}: {exc} "
+                "(advertise an address of this host)"
+            ) from exc
         me = MemberAddress(
             rank=rank,
             member_id=self.member_id,
@@ -270,8 +273,8 @@ class Member:
             self._publish_roster()
 
         def is_ours(value: bytes) -> Roster | None:
-            roster = Roster.model_validate_json(value)
-            return roster if roster.round == self.round else None
+            roster = read_roster(value)
+            return roster if self._is_this_rounds(roster) else None
 
         self.roster = self._wait(
             self.keys.roster,
@@ -280,8 +283,17 @@ class Member:
             recheck=lambda: _maybe(self.etcd.get(self.keys.roster), lambda kv: is_ours(kv.value)),
             missing=lambda: self._missing_ranks(self.keys.addresses) or "the leader's roster",
         )
+        # Callers must now prove this round's secret (a prompt one waited for it).
+        endpoint.authorize(self.roster.secret_bytes, self.round)
         self._record(arrived)
         return self.roster
+
+    def _is_this_rounds(self, roster: Roster) -> bool:
+        return (roster.job_id, roster.round, roster.world_size) == (
+            self.job_id,
+            self.round,
+            self.world_size,
+        )
 
     def _publish_roster(self) -> None:
         """The leader collects all N addresses, then writes the roster once."""
@@ -309,12 +321,11 @@ class Member:
             round=self.round,
             world_size=self.world_size,
             members=[addresses[r] for r in range(self.world_size)],
+            secret=handshake.new_secret().hex(),  # a new round, a new secret
         )
-        created, current_kv, _ = self.etcd.create(
-            self.keys.roster, roster.model_dump_json(), self._lease()
-        )
+        created, current_kv, _ = self.etcd.create(self.keys.roster, roster.to_etcd(), self._lease())
         if not created:
-            other = Roster.model_validate_json(current_kv.value).round
+            other = read_roster(current_kv.value).round
             raise RendezvousError(
                 f"job '{self.job_id}': a roster of round {other} already exists "
                 f"(this is round {self.round}); it expires with its leader's lease"
@@ -331,7 +342,7 @@ class Member:
             with ThreadPoolExecutor(max_workers=min(32, roster.world_size)) as pool:
                 problems = pool.map(
                     lambda m: probe(
-                        m.host, m.port, self.job_id, m.member_id, deadline, self._trouble.is_set
+                        m.host, m.port, roster.key_for(m), deadline, self._trouble.is_set
                     ),
                     roster.members,
                 )
@@ -347,9 +358,8 @@ class Member:
             leader = roster.leader
             deadline = time.monotonic() + self.timeout
             problem = probe(
-                leader.host, leader.port, self.job_id, leader.member_id, deadline,
-                self._trouble.is_set,
-            )  # fmt: skip
+                leader.host, leader.port, roster.key_for(leader), deadline, self._trouble.is_set
+            )
             if problem is not None and not self._trouble.is_set():
                 raise Unreachable(
                     f"rank {self.rank} cannot reach the leader at {leader.host}:{leader.port} "
@@ -524,11 +534,16 @@ class Member:
         cannot go on: a member lost that is not excused, or this member's own lease lost."""
         self._trouble_listeners.append(listener)
 
-    def serve(self, handler: Callable[[socket.socket], None]) -> None:
-        """Hand connections to this member's roster endpoint to `handler` after the greeting
-        (one thread each): how a job offers a service at the address the others know."""
+    def serve(
+        self, handler: Callable[[socket.socket], None], idle_timeout: float | None = None
+    ) -> None:
+        """Hand connections to this member's roster endpoint to `handler` after the handshake
+        (one thread each): how a job offers a service at the address the others know.
+        A connection silent for `idle_timeout` (default: the phase timeout) is dropped."""
         if self._endpoint is None:
             raise RendezvousError("ip_exchange must come before serving on the endpoint")
+        if idle_timeout is not None:
+            self._endpoint.idle_timeout = idle_timeout
         self._endpoint.handler = handler
 
     def carry_on_without_lost(self) -> None:
@@ -602,6 +617,18 @@ class Member:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(exc)
+
+
+def read_roster(value: bytes) -> Roster:
+    """A roster from etcd; one that does not parse stops the member, naming the field."""
+    try:
+        return Roster.from_etcd(value)
+    except ValidationError as exc:  # never the input: it may hold the secret
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        )
+        raise RendezvousError(f"the job's roster in etcd is malformed: {problems}") from None
 
 
 def member_state(value: bytes) -> dict[str, Any]:

@@ -9,6 +9,14 @@ and serves the members' output over HTTP at its address
 (`GET /members/<member>/output?offset=N`), so the service's logs endpoint
 reaches it on whichever host it ran.
 
+It trusts nothing it reads: an assignment that does not pass `Assignment` (the
+options the service writes and no others, paths inside its data dir, its own
+namespace) is reported `refused` and never runs. Its output server binds only
+the address it advertises and answers only requests that carry the bearer token
+of its registration (readable by the service and itself alone, through etcd's
+roles). A member gets its job's etcd user from the assignment, in a file only
+it may read.
+
 Members die with the agent (the kernel kills them when it dies, however it
 dies): its lease, and so its assignments, go with it too, and the service's
 restart policy decides what happens to the job. On SIGTERM it drains instead: it
@@ -18,9 +26,12 @@ its members to end, sending them SIGTERM after `drain_seconds`.
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -31,16 +42,27 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from pydantic import ValidationError
+
 from coordinator.etcd.client import Delete, Etcd, EtcdError, Put, WatchEvent
 from coordinator.etcd.session import Session
 from coordinator.rendezvous.address import advertise_address
-from coordinator.service.agent_keys import agent_key, assignments_prefix, report_key
+from coordinator.service.agent_keys import (
+    Assignment,
+    agent_key,
+    assignments_prefix,
+    member_name,
+    report_key,
+)
 from coordinator.service.launchers import VANISHED, Launch, with_etcd
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.model import JobSpec, Member
 
+log = logging.getLogger(__name__)
+
 REPORT_SECONDS = 0.25  # how often running members are checked for their end
 ANY_ADDRESS = ("0.0.0.0", "::", "")
+EXIT_REFUSED = 2  # the exit code reported for an assignment refused: bad arguments
 
 
 class AgentTaken(RuntimeError):
@@ -71,22 +93,30 @@ class Running:
 class Agent:
     def __init__(self, etcd: Etcd, options: AgentOptions) -> None:
         self.etcd, self.options = etcd, options
-        self.launcher = LocalLauncher(options.data_dir / "logs", die_with_parent=True)
+        options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.launcher = LocalLauncher(
+            options.data_dir / "logs", die_with_parent=True, workdir=options.data_dir
+        )
         self.members: dict[str, Running] = {}  # member name -> what runs (or ran)
         self.assignments = assignments_prefix(etcd, options.agent_id)
         self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._draining = False
-        self._http = ThreadingHTTPServer((options.host, options.port), self._handler())
+        self.token = secrets.token_urlsafe(32)  # what the output server asks of a request
         host = options.advertise or (
             advertise_address(etcd.endpoints) if options.host in ANY_ADDRESS else options.host
         )
-        self.address = f"{host}:{self._http.server_address[1]}"
+        # The address it advertises, never every interface.
+        bind = host if options.host in ANY_ADDRESS else options.host
+        self._http = ThreadingHTTPServer((bind, options.port), self._handler())
+        port = self._http.server_address[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.session = Session(etcd, options.ttl)
         record = {
             "slots": options.slots,
             "labels": options.labels,
             "address": self.address,
+            "token": self.token,
             "version": version("etcd-coordinator"),
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -120,10 +150,22 @@ class Agent:
                 self._inbox.put((event.key[len(self.assignments) :], event.value))
 
     def _handle(self, name: str, value: bytes) -> None:
-        assignment = json.loads(value)
-        stop = assignment.get("stop")
         with self._lock:
             running = self.members.get(name)
+        try:
+            assignment = Assignment.model_validate_json(
+                value, context={"namespace": self.etcd.namespace, "data_dir": self.options.data_dir}
+            )
+            if name != member_name(assignment.run_id, assignment.attempt, assignment.index):
+                raise ValueError(f"the key names {name!r}, not the member the value describes")
+        except (ValidationError, ValueError) as exc:
+            reason = f"assignment {name} refused: {_first_line(exc)}"
+            log.warning("%s", reason)
+            print(f"agent: {reason}", flush=True)
+            if running is None:
+                self._refused(name, reason)
+            return
+        stop = assignment.stop
         if running is not None:
             if stop and running.stop != "SIGKILL" and running.member.exit_code is None:
                 running.stop = stop
@@ -133,15 +175,17 @@ class Agent:
         if stop or self._draining or len(self.running()) >= self.options.slots:
             # Stopped before it started, or placed on an agent that is leaving (or, never
             # by the service, beyond the slots): it ends without running.
-            self._ended(name, Member(index=assignment["index"]), VANISHED)
+            self._ended(name, Member(index=assignment.index), VANISHED)
             return
+        credentials = assignment.credentials
         launch = Launch(
-            run_id=assignment["run_id"],
-            attempt=assignment["attempt"],
+            run_id=assignment.run_id,
+            attempt=assignment.attempt,
             spec=JobSpec(kind="noop", workers=1),  # the local launcher reads only the args
-            worker_args=with_etcd(assignment["worker_args"], ",".join(self.etcd.urls)),
+            worker_args=with_etcd(assignment.worker_args, ",".join(self.etcd.urls)),
+            credentials=credentials.credentials() if credentials is not None else None,
         )
-        member = self.launcher.start(launch, assignment["index"])
+        member = self.launcher.start(launch, assignment.index)
         with self._lock:
             self.members[name] = Running(member)
         self._report(name, member, None)
@@ -163,17 +207,29 @@ class Agent:
         )
 
     def _report(self, name: str, member: Member, code: int | None) -> None:
-        key = report_key(self.etcd, name)
+        key = report_key(self.etcd, self.options.agent_id, name)
         self.etcd.put(key, self._state(member, code), self.session.lease_id)
 
     def _ended(self, name: str, member: Member, code: int) -> None:
         """Report the end and free the slot, in one transaction: the service sees the
         member assigned, or its report, never neither while this agent lives."""
+        self._settle(name, self._state(member, code))
+
+    def _refused(self, name: str, reason: str) -> None:
+        """Report an assignment that will never run, and drop it."""
+        report = {
+            "agent": self.options.agent_id,
+            "state": "refused",
+            "exit_code": EXIT_REFUSED,
+            "reason": reason[:2000],
+            "at": time.time(),
+        }
+        self._settle(name, json.dumps(report))
+
+    def _settle(self, name: str, report: str) -> None:
+        key = report_key(self.etcd, self.options.agent_id, name)
         self.etcd.transaction(
-            [
-                Put(report_key(self.etcd, name), self._state(member, code), self.session.lease_id),
-                Delete(self.assignments + name),
-            ]
+            [Put(key, report, self.session.lease_id), Delete(self.assignments + name)]
         )
 
     def check_members(self) -> None:
@@ -243,6 +299,14 @@ class Agent:
 
         class Output(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # the http.server interface
+                given = self.headers.get("Authorization", "")
+                expected = f"Bearer {agent.token}"
+                if not hmac.compare_digest(given.encode(), expected.encode()):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", "Bearer")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 url = urlparse(self.path)
                 parts = url.path.strip("/").split("/")
                 with agent._lock:
@@ -270,3 +334,12 @@ class Agent:
                 pass  # members' output is the log that matters
 
         return Output
+
+
+def _first_line(exc: Exception) -> str:
+    """A validation error in one line: the field and what is wrong with it."""
+    if isinstance(exc, ValidationError):
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "value"
+        return f"{where}: {error['msg']}"
+    return str(exc)

@@ -8,10 +8,12 @@ reconciler's work; a cancel only marks the record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -21,14 +23,17 @@ from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
 from coordinator.jobs import JOB_KINDS
+from coordinator.service.admission import Refused, Roots, admit_params, check_kind
 from coordinator.service.auth import Role, Tokens
+from coordinator.service.boundary import ROLE_KEY, Boundary, document_refusals
 from coordinator.service.dashboard import add_dashboard
 from coordinator.service.launchers import OWN_SLOTS, WorkerLauncher
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import JobList, JobRecord, JobSpec, JobState, Launcher, Member
-from coordinator.service.store import JobConflict, JobNotFound, JobStore
+from coordinator.service.store import InvalidRecord, JobConflict, JobNotFound, JobStore, Stored
 
+log = logging.getLogger(__name__)
 API = "/v1"
 FOLLOW_POLL_SECONDS = 0.25  # how often a followed log is read again (no file events)
 MAX_REVISION = 2**63 - 2  # etcd's revisions are int64, and a watch starts one after
@@ -41,23 +46,46 @@ class ApiContext:
     launchers: dict[Launcher, WorkerLauncher]
     max_workers: int
     metrics: ServiceMetrics
-    tokens: Tokens | None = None  # None: no auth (loopback only, or --insecure)
+    tokens: Tokens | None = None  # None: no auth (--insecure only)
     default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
+    roots: Roots | None = None  # where submitted paths may point (None: from the environment)
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run when it stops
 
 
 def invalid(field: list[str | int], message: str, where: str = "body") -> HTTPException:
     """A 422 in FastAPI's own shape, naming the field."""
-    detail = [{"loc": [where, *field], "msg": message, "type": "value_error"}]
+    return invalid_fields([field], message, where)
+
+
+def invalid_fields(fields: list[Any], message: str, where: str = "body") -> HTTPException:
+    """A 422 naming each of several fields (a name, or a path as a list) with one message."""
+    detail = [
+        {
+            "loc": [where, *(f if isinstance(f, list) else [f])],
+            "msg": message,
+            "type": "value_error",
+        }
+        for f in fields
+    ]
     return HTTPException(status_code=422, detail=detail)
 
 
 def create_app(context: ApiContext) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for closer in context.closers:  # e.g. simulations still running: killed
+            closer()
+
     app = FastAPI(
         title="etcd-coordinator",
         version="1",
         description="Distributed training jobs whose members rendezvous through etcd.",
+        lifespan=lifespan,
     )
     store = context.store
+    if context.roots is None:
+        context.roots = Roots.from_environment()
 
     @app.middleware("http")
     async def timed(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
@@ -74,12 +102,17 @@ def create_app(context: ApiContext) -> FastAPI:
     async def etcd_down(request: Request, exc: EtcdError) -> JSONResponse:
         return JSONResponse({"detail": f"etcd is unavailable: {exc}"}, status_code=503)
 
+    @app.exception_handler(InvalidRecord)
+    async def invalid_record(request: Request, exc: InvalidRecord) -> JSONResponse:
+        """A job whose stored record fails validation: named, never acted on (not a 500)."""
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
     def role(needed: Role) -> Callable[..., Awaitable[None]]:
-        async def check(authorization: Annotated[str | None, Header()] = None) -> None:
-            if context.tokens is None:
-                return
-            scheme, _, token = (authorization or "").partition(" ")
-            granted = context.tokens.role(token) if scheme.lower() == "bearer" else None
+        """A second look at what `Boundary` decided from the token, before the body was
+        read: a route mounted outside its policy still refuses."""
+
+        async def check(request: Request) -> None:
+            granted = request.scope.get(ROLE_KEY)
             if granted is None:
                 raise HTTPException(
                     401, "a valid bearer token is required", {"WWW-Authenticate": "Bearer"}
@@ -151,7 +184,7 @@ def create_app(context: ApiContext) -> FastAPI:
         f"{API}/jobs/{{job_id}}",
         dependencies=reader,
         response_model=JobRecord,
-        responses={404: {}},
+        responses={404: {}, 409: {"description": "the stored record is invalid"}},
     )
     async def get_job(job_id: str) -> Response:
         """The job's record, as stored (from this replica's mirror of the records)."""
@@ -184,10 +217,7 @@ def create_app(context: ApiContext) -> FastAPI:
     def delete(job_id: str) -> Response:
         """Forget a finished job: its record, every key it left, and its members' logs or
         containers (409 while it is live)."""
-        try:
-            stored = store.get(job_id)
-        except JobNotFound:
-            raise HTTPException(404, f"no job {job_id!r}") from None
+        stored = _stored_or_404(store, job_id)
         if not stored.record.state.terminal:
             raise HTTPException(409, f"job {job_id!r} is {stored.record.state}; cancel it first")
         if not store.delete(stored):
@@ -195,7 +225,10 @@ def create_app(context: ApiContext) -> FastAPI:
         context.etcd.delete_prefix(context.etcd.key("jobs", job_id) + "/")
         launcher = context.launchers.get(stored.record.spec.launcher)
         if launcher is not None:  # its logs, or its stopped containers
-            launcher.remove(stored.record.run_id)
+            try:
+                launcher.remove(stored.record.run_id)
+            except ValueError as exc:  # names nothing of ours: nothing is removed
+                log.warning("job %s: kept its members' files: %s", job_id, exc)
         return Response(status_code=204)
 
     # -- following --------------------------------------------------------------
@@ -235,7 +268,9 @@ def create_app(context: ApiContext) -> FastAPI:
         with its member's rank; `follow` streams until every member has ended."""
         record = (await asyncio.to_thread(_stored_or_404, store, job_id)).record
         members = _chosen(record, rank)
-        launcher = context.launchers[record.spec.launcher]
+        launcher = context.launchers.get(record.spec.launcher)
+        if launcher is None:
+            raise HTTPException(409, f"job {job_id!r} ran on {record.spec.launcher}, not here")
         return StreamingResponse(
             _log_lines(store, launcher, record, members, tail, follow),
             media_type="text/plain; charset=utf-8",
@@ -260,6 +295,9 @@ def create_app(context: ApiContext) -> FastAPI:
         return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_dashboard(app, context, reader, submitter)
+
+    document_refusals(app)
+    app.add_middleware(Boundary, tokens=context.tokens)  # outermost: before anything reads
     return app
 
 
@@ -281,8 +319,15 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
         )
     if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):
         raise invalid(["workers"], why)
+    assert context.roots is not None
     try:
-        JOB_KINDS[spec.kind](spec.params, spec.workers).close()
+        params = admit_params(spec.kind, spec.params, context.roots)
+    except Refused as exc:
+        raise invalid(exc.field.split("."), str(exc)) from None
+    if params != spec.params:
+        spec = spec.model_copy(update={"params": params})
+    try:
+        check_kind(spec.kind, spec.params, spec.workers)
     except ValueError as exc:
         raise invalid(["params"], str(exc)) from None
     if not spec.id:
@@ -290,11 +335,14 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
     return spec
 
 
-def _stored_or_404(store: JobStore, job_id: str) -> Any:
+def _stored_or_404(store: JobStore, job_id: str) -> Stored:
+    """The job's stored record: 404 without one, 409 naming why when it fails validation."""
     try:
         return store.get(job_id)
     except JobNotFound:
         raise HTTPException(404, f"no job {job_id!r}") from None
+    except InvalidRecord as exc:
+        raise HTTPException(409, str(exc)) from None
 
 
 async def _record_changes(
@@ -374,7 +422,10 @@ async def _log_lines(
         yield line
     attempt = record.attempt.number if record.attempt else 0
     while follow:
-        current = (await asyncio.to_thread(store.get, record.id)).record
+        try:
+            current = (await asyncio.to_thread(store.get, record.id)).record
+        except (JobNotFound, InvalidRecord):
+            return  # deleted, or no longer a record to follow: the stream ends
         ended = (
             current.attempt is None
             or current.attempt.number != attempt

@@ -1,6 +1,10 @@
 """Bearer tokens with a role each: `read` may look, `submit` may also submit and cancel.
 
-The token file has one `<role> <token>` per line (`#` starts a comment).
+The token file has one `<role> <token>` per line (`#` starts a comment), and
+only its owner may read it (mode 0600: one that group or others can read is
+refused; see `check_private` for mounted secrets). Without a token file
+`coordinator serve` makes one, `api-token` in its data directory, with one
+submit token, and uses it again on restart.
 Tokens are compared in constant time, against every known token, so neither
 a match nor its position leaks through timing.
 """
@@ -8,8 +12,13 @@ a match nor its position leaks through timing.
 from __future__ import annotations
 
 import hmac
+import os
+import secrets
+import stat
 from enum import StrEnum
 from pathlib import Path
+
+GENERATED_TOKEN_FILE = "api-token"  # in the data directory
 
 
 class Role(StrEnum):
@@ -23,6 +32,9 @@ class Tokens:
 
     @classmethod
     def load(cls, path: Path) -> Tokens:
+        """The tokens of `path`; ValueError (naming the file) for a file others may read
+        or a malformed line."""
+        check_private(path)
         tokens: dict[str, Role] = {}
         for number, raw in enumerate(path.read_text().splitlines(), 1):
             line = raw.split("#", 1)[0].strip()
@@ -40,6 +52,13 @@ class Tokens:
             raise ValueError(f"{path}: no tokens")
         return cls(tokens)
 
+    def strongest(self) -> str:
+        """A token with the submit role if there is one, else the first (for a link)."""
+        for token, role in self._tokens:
+            if role == Role.SUBMIT:
+                return token.decode()
+        return self._tokens[0][0].decode()
+
     def role(self, presented: str) -> Role | None:
         """The role of a presented token, or None; the time taken does not depend on which
         token (if any) matches."""
@@ -49,3 +68,44 @@ class Tokens:
             if hmac.compare_digest(given, token):
                 found = role
         return found
+
+
+def check_private(path: Path) -> None:
+    """Refuse a token file that group or others may read: the service's own file (owned by
+    the user it runs as, as the generated one always is) must be 0600 or stricter. A file
+    of another owner is a mounted secret (a Kubernetes Secret, a compose secret), readable
+    by the service only through its group or other bits: that one must not be writable
+    by anyone but its owner."""
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    own = info.st_uid == os.geteuid()
+    if (own and mode & 0o077) or mode & 0o022:
+        raise ValueError(
+            f"{path} is open to group or others (mode {mode:04o}); "
+            f"a token file must be private: chmod 600 {path}"
+        )
+
+
+def generated_tokens(data_dir: Path) -> Tokens:
+    """The tokens of `<data_dir>/api-token`, made (0600, one submit token) when missing,
+    else read again (a restart keeps the token its users have)."""
+    path = data_dir / GENERATED_TOKEN_FILE
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return Tokens.load(path)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write("# made by coordinator serve: the dashboard and the CLI use it\n")
+        handle.write(f"submit {secrets.token_urlsafe(32)}\n")
+    return Tokens.load(path)
+
+
+def find_token(data_dirs: list[Path]) -> str | None:
+    """The strongest token of the first `api-token` found in `data_dirs` (how the CLI
+    finds the token of a service on this host); ValueError naming a file found but
+    open to others or malformed."""
+    for folder in data_dirs:
+        path = folder / GENERATED_TOKEN_FILE
+        if path.is_file():
+            return Tokens.load(path).strongest()
+    return None

@@ -18,17 +18,19 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI, Header, HTTPException, Response
+from fastapi import FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import WatchEvent
+from coordinator.service import simulation
+from coordinator.service.boundary import GONE_KEY
 from coordinator.service.model import JobRecord, Member
 from coordinator.service.series import Series, clock_bound, collect, live_clock, member_events
 
@@ -46,24 +48,23 @@ class WhoAmI(BaseModel):
     auth: bool  # whether the service asks for tokens at all
 
 
-MAX_SIMULATED_WORKER_SECONDS = 200_000  # workers x seconds: a few seconds of CPU per method
-
-
 class SimulationRequest(BaseModel):
-    barrier: Annotated[str, Field(description="methods, e.g. bsp,ssp:2,asp")] = "bsp,ssp:2,asp"
-    workers: Annotated[int, Field(ge=1, le=1000)] = 100
-    seconds: Annotated[float, Field(gt=0, le=1000)] = 100.0
-    delay: str = "exp:1,1"
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+    """A simulator run: its size is priced before it starts (see `simulation`)."""
 
-    @model_validator(mode="after")
-    def _bounded(self) -> SimulationRequest:
-        if self.workers * self.seconds > MAX_SIMULATED_WORKER_SECONDS:
-            raise ValueError(
-                f"workers x seconds is at most {MAX_SIMULATED_WORKER_SECONDS:,} here; "
-                "run `coordinator simulate` for more"
-            )
-        return self
+    barrier: Annotated[str, Field(max_length=200, description="methods, e.g. bsp,ssp:2,asp")] = (
+        "bsp,ssp:2,asp"
+    )
+    workers: Annotated[int, Field(ge=1, le=1000)] = 100
+    seconds: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 100.0
+    delay: Annotated[
+        str,
+        Field(
+            max_length=200,
+            description="exp:SHIFT,MEAN | gamma:SHAPE,SCALE | straggler:FRACTION,FACTOR[,BASE]"
+            " (no trace: that reads a server file; `coordinator simulate` takes it)",
+        ),
+    ] = "exp:1,1"
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
 
 
 class SimulatedMethod(BaseModel):
@@ -115,20 +116,60 @@ def add_dashboard(
         record = await asyncio.to_thread(_record, context, job_id)
         return EventSourceResponse(_live(context, record), ping=15)
 
+    runner = simulation.Runner()
+    context.closers.append(runner.close)
+
     @app.post(
         "/v1/simulate",
         dependencies=submitter,
-        responses={400: {"description": "the body is not JSON"}, 422: {}},
+        responses={
+            400: {"description": "the body is not JSON"},
+            422: {},
+            429: {"description": "the simulator is busy: try again later"},
+            504: {"description": "the simulation took too long"},
+        },
     )
-    async def simulate(request: SimulationRequest) -> Simulation:
-        """Run the simulator (no etcd, virtual workers) for each method asked for."""
-        from coordinator.service.api import invalid  # here: api imports this module
+    async def simulate(request: SimulationRequest, http: Request) -> Simulation:
+        """Run the simulator (no etcd, virtual workers) for each method asked for, in a
+        process of its own; refused (422) above its step budget."""
+        from coordinator.service.api import invalid, invalid_fields  # api imports this module
+        from coordinator.simulator.spec import parse_barriers
 
         try:
-            return await asyncio.to_thread(_simulate, request)
+            specs = parse_barriers(request.barrier, None, None, None)
+        except ValueError as exc:
+            raise invalid(["barrier"], str(exc)) from None
+        try:
+            model = simulation.parse_api_delay(request.delay)
+        except ValueError as exc:
+            raise invalid(["delay"], str(exc)) from None
+        try:
+            simulation.check_affordable(request.workers, request.seconds, len(specs), model)
+            result = await runner.run(
+                simulation.simulate_methods, request.model_dump(), _client_gone(http)
+            )
+        except simulation.Unaffordable as exc:
+            raise invalid_fields(exc.fields, str(exc)) from None
+        except simulation.Busy as exc:
+            raise HTTPException(429, str(exc), {"Retry-After": "5"}) from None
+        except simulation.TimedOut as exc:
+            raise HTTPException(504, str(exc)) from None
+        except simulation.Abandoned:
+            return Response(status_code=499)  # type: ignore[return-value]  # nobody reads it
         except ValueError as exc:
             field = "delay" if "delay" in str(exc).lower() else "barrier"
             raise invalid([field], str(exc)) from None
+        return Simulation.model_validate(result)
+
+
+def _client_gone(request: Request) -> Callable[[], Awaitable[bool]]:
+    """Whether the request's client has left (as `Boundary` saw it)."""
+    gone = request.scope.get(GONE_KEY)
+
+    async def check() -> bool:
+        return gone.is_set() if gone is not None else await request.is_disconnected()
+
+    return check
 
 
 def _record(context: ApiContext, job_id: str) -> JobRecord:
@@ -216,23 +257,3 @@ async def _live(context: ApiContext, record: JobRecord) -> AsyncIterator[dict[st
             await asyncio.sleep(CLOCK_FLUSH_SECONDS)
     finally:
         watch.cancel()
-
-
-def _simulate(request: SimulationRequest) -> Simulation:
-    from coordinator.simulator import engine, report
-    from coordinator.simulator.delays import parse_delay
-    from coordinator.simulator.spec import parse_barriers
-
-    specs = parse_barriers(request.barrier, None, None, None)
-    model = parse_delay(request.delay)
-    methods = []
-    for spec in specs:
-        result = engine.simulate(spec, request.workers, request.seconds, model, seed=request.seed)
-        methods.append(
-            SimulatedMethod(
-                label=result.label,
-                summary=report.summary(result),
-                final_steps=sorted(result.final_step),
-            )
-        )
-    return Simulation(methods=methods)

@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a DNS label: also a container name
 LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62})$")
@@ -82,60 +82,122 @@ def _as_text(value: Any) -> Any:
     return value  # text, or something pydantic then refuses
 
 
+#: What a record read from etcd must be before the service acts on it: strict types (no
+#: "3" for 3), no field this version does not know, no NaN or infinity. Stored records
+#: are validated with `strict=True`, which holds for the nested spec too.
+RECORD_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+UID_PATTERN = r"^[0-9a-f]{32}$"  # uuid4().hex: part of the names of files and containers
+#: `JobRecord.run_id`: the id, then the uid's first 8 hex digits.
+RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + "-[0-9a-f]{8}$"
+PID_MAX = 4_194_304  # the largest pid Linux can hand out
+_DNS_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+#: docker: the container's id; kubernetes: `<namespace>/<job name>/<index>`.
+CONTAINER_PATTERN = rf"^([0-9a-f]{{64}}|{_DNS_LABEL}/{_DNS_LABEL}/[0-9]{{1,4}})$"
+#: agents: `<agent id>/<run_id>-a<attempt>-m<index>`.
+ASSIGNMENT_PATTERN = (
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}/"
+    + RUN_ID_PATTERN.removeprefix("^").removesuffix("$")
+    + r"-a[0-9]{1,3}-m[0-9]{1,4}$"
+)
+Time = Annotated[float, Field(ge=0)]  # Unix time
+ExitCode = Annotated[int, Field(ge=-1, le=255)]  # -1: `launchers.VANISHED`
+
+
 class Condition(BaseModel):
     """One state the job entered: when and why (the job's history)."""
 
+    model_config = RECORD_CONFIG
+
     state: JobState
     reason: str
-    at: float  # Unix time
+    at: Time
 
 
 class Member(BaseModel):
-    """One member of an attempt, as the launcher and the member's own output tell."""
+    """One member of an attempt, as the launcher and the member's own output tell.
 
-    index: int  # the launcher's numbering (0..workers-1); the rank is the rendezvous'
-    pid: int | None = None
-    container: str | None = None
-    assignment: str | None = None  # agents: "<agent id>/<member name>"
-    started: float | None = None  # process start time: tells a reused pid apart
-    log: str | None = None  # where a local member's output goes
-    rank: int | None = None
-    address: str | None = None
-    phase: str = "starting"
-    exit_code: int | None = None
+    How it is found again (`pid` and `started`, `container` or `assignment`) is
+    checked against the record's launcher, run id, attempt and index, so a record
+    can only name its own members."""
+
+    model_config = RECORD_CONFIG
+
+    index: Annotated[int, Field(ge=0)]  # the launcher's numbering (0..workers-1)
+    pid: Annotated[int, Field(gt=0, le=PID_MAX)] | None = None
+    container: Annotated[str, Field(pattern=CONTAINER_PATTERN)] | None = None
+    assignment: Annotated[str, Field(pattern=ASSIGNMENT_PATTERN)] | None = None
+    started: Annotated[float, Field(gt=0)] | None = None  # the pid's start time (None: unknown)
+    # A local member's output, relative to the launcher's logs folder. Always derived from
+    # the record's run id, attempt and index when a record is validated, whatever was
+    # stored; the launcher checks it again before it opens anything.
+    log: str | None = None
+    rank: Annotated[int, Field(ge=0)] | None = None  # the rendezvous' (< workers)
+    address: Annotated[str, Field(max_length=300)] | None = None
+    phase: Annotated[str, Field(max_length=200)] = "starting"
+    exit_code: ExitCode | None = None
     failure: dict[str, Any] | None = None  # the member's `failed` event
 
 
 class Attempt(BaseModel):
-    number: int  # 1, 2, ...
-    started_at: float
-    ended_at: float | None = None
+    model_config = RECORD_CONFIG
+
+    number: Annotated[int, Field(ge=1)]  # 1, 2, ... (its place in `attempts`)
+    started_at: Time
+    ended_at: Time | None = None
     members: list[Member] = Field(default_factory=list)
     outcome: str | None = None  # why the attempt ended (or is being ended)
     # Once the attempt is being stopped: when the members got SIGTERM, and the state the
     # job enters once they are all gone.
-    stopping_since: float | None = None
+    stopping_since: Time | None = None
     then: JobState | None = None
 
 
 class Progress(BaseModel):
+    model_config = RECORD_CONFIG
+
     step: int | None = None  # rounds (xgboost) or steps (steps, mnist) done
     total: int | None = None
     metrics: dict[str, Any] = Field(default_factory=dict)
-    updated_at: float | None = None
+    updated_at: Time | None = None
 
 
 class JobRecord(BaseModel):
-    id: str
-    uid: str  # unique per submission: an id used again after a delete is another job
+    model_config = RECORD_CONFIG
+
+    id: Annotated[str, Field(pattern=ID_PATTERN)]
+    # Unique per submission: an id used again after a delete is another job.
+    uid: Annotated[str, Field(pattern=UID_PATTERN)]
     spec: JobSpec
     state: JobState
     conditions: list[Condition]
     attempts: list[Attempt] = Field(default_factory=list)
     progress: Progress = Field(default_factory=Progress)
     artifacts: dict[str, str] = Field(default_factory=dict)
-    submitted_at: float
-    cancel_requested_at: float | None = None
+    submitted_at: Time
+    cancel_requested_at: Time | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobRecord:
+        """What no field alone can say: the spec is this job's, attempts are numbered
+        1, 2, ... within `max_restarts`, and each member is one of the attempt's own."""
+        if self.spec.id != self.id:
+            raise ValueError(f"spec.id {self.spec.id!r} is not the record's id {self.id!r}")
+        if len(self.attempts) > self.spec.max_restarts + 1:
+            raise ValueError(
+                f"{len(self.attempts)} attempts, but max_restarts {self.spec.max_restarts} "
+                f"allows {self.spec.max_restarts + 1}"
+            )
+        for position, attempt in enumerate(self.attempts, 1):
+            if attempt.number != position:
+                raise ValueError(f"attempt {position} says it is number {attempt.number}")
+            seen: set[int] = set()
+            for member in attempt.members:
+                problem = _member_problem(self, attempt.number, member, seen)
+                if problem:
+                    raise ValueError(f"attempt {attempt.number}, member {member.index}: {problem}")
+                seen.add(member.index)
+                member.log = self.log_path(attempt.number, member.index)
+        return self
 
     @property
     def attempt(self) -> Attempt | None:
@@ -145,6 +207,41 @@ class JobRecord(BaseModel):
     def run_id(self) -> str:
         """What launchers name this submission's members and logs by."""
         return f"{self.id}-{self.uid[:8]}"
+
+    def log_path(self, attempt: int, index: int) -> str | None:
+        """Where a local member's output goes, relative to the launcher's logs folder."""
+        if self.spec.launcher != Launcher.LOCAL:
+            return None
+        return f"{self.run_id}/attempt-{attempt}/member-{index}.log"
+
+
+def _member_problem(record: JobRecord, attempt: int, member: Member, seen: set[int]) -> str:
+    """Why `member` cannot be one of the attempt's members ("" when it can)."""
+    workers = record.spec.workers
+    if member.index >= workers:
+        return f"index {member.index} is out of range for {workers} workers"
+    if member.index in seen:
+        return "index recorded twice"
+    if member.rank is not None and member.rank >= workers:
+        return f"rank {member.rank} is out of range for {workers} workers"
+    launcher = record.spec.launcher
+    if launcher == Launcher.LOCAL:
+        if member.container or member.assignment:  # no pid: never signalled, reads as ended
+            return "a local member is found by its pid only"
+    elif member.pid is not None:
+        return f"a {launcher} member has no pid of the service's"
+    if launcher == Launcher.DOCKER and not re.fullmatch("[0-9a-f]{64}", member.container or ""):
+        return "a docker member is found by its container id"
+    if launcher == Launcher.KUBERNETES and (
+        member.container is None or not member.container.endswith(f"/{member.index}")
+    ):
+        return "a kubernetes member is found by <namespace>/<job>/<its index>"
+    if launcher == Launcher.AGENTS and (
+        member.assignment is None
+        or not member.assignment.endswith(f"/{record.run_id}-a{attempt}-m{member.index}")
+    ):
+        return "an agents member is found by <agent>/<run id>-a<attempt>-m<its index>"
+    return ""
 
 
 class JobList(BaseModel):

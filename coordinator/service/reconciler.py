@@ -23,11 +23,17 @@ nor duplicates them (starting a member is idempotent, see `launchers`).
   SIGKILL after the grace; once all are gone the leases of the attempt's keys
   are revoked and its rendezvous keys deleted, and only then does the job
   enter its final state (or its next attempt, a new rendezvous round).
+- Credentials: each attempt's members connect as an etcd user of the job's own,
+  which may touch only `<ns>/jobs/<id>/`. It is made when the attempt starts,
+  kept at `<ns>/api/credentials/<id>` (the service's alone, so a new leader can
+  finish a launch), and deleted with its role when the job ends or is deleted; a
+  new leader first deletes those of jobs that ended or are gone meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -35,13 +41,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
+from pydantic import BaseModel, ValidationError
+
+from coordinator.etcd.client import Etcd, EtcdError, Put, WatchEvent
+from coordinator.etcd.users import (
+    CannotManageUsers,
+    Credentials,
+    job_users,
+    provision_job,
+    revoke_job,
+)
 from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
 from coordinator.service.series import member_events
 from coordinator.service.states import TRANSITIONS, advance, restarts_left
-from coordinator.service.store import JobNotFound, JobStore
+from coordinator.service.store import InvalidChange, InvalidRecord, JobNotFound, JobStore
 
 log = logging.getLogger(__name__)
 S = JobState
@@ -76,9 +91,19 @@ class Reconciler:
         self._offsets: dict[tuple[str, int, int], int] = {}  # (job, attempt, index) -> bytes read
         self._progress_at: dict[str, float] = {}
         self._pending_progress: dict[str, dict[str, Any]] = {}  # job -> not yet written
+        # Per-job etcd users: None until known; False when etcd has no auth or the service's
+        # user may not make users (members then connect as the service does).
+        self._per_job_users: bool | None = None
+        self._leading = False
+        self._deleted: set[str] = set()  # jobs whose records were deleted: users to remove
+        self._deleted_lock = threading.Lock()
         self._watch = etcd.watch(store.prefix, self._on_change, start_revision=0, prefix=True)
 
     def _on_change(self, events: list[WatchEvent]) -> None:
+        gone = [e.key[len(self.store.prefix) :] for e in events if e.kind == "delete"]
+        if gone:
+            with self._deleted_lock:
+                self._deleted.update(gone)
         self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
@@ -86,8 +111,13 @@ class Reconciler:
         while not stop.is_set():
             try:
                 if not self.leadership.try_to_lead():
+                    self._leading = False
                     self.leadership.wait_for_change(1.0)
                     continue
+                if not self._leading:  # nothing of a job outlives it, even after a crash
+                    self._remove_stale_users()
+                    self._leading = True
+                self._remove_deleted_users()
                 self.reconcile_once(time.time())
             except EtcdError as exc:  # etcd away: try again next tick
                 log.warning("reconcile: %s", exc)
@@ -109,16 +139,13 @@ class Reconciler:
             record = stored.record
             if record.state == S.PENDING:
                 if record.cancel_requested_at is not None:
-                    self._cancel_pending(record.id, now)
+                    self._isolated(record.id, self._cancel_pending, record.id, now)
                 else:
                     pending.append(stored)
                 continue
             if record.spec.launcher in OWN_SLOTS:
                 busy += record.spec.workers
-            try:
-                self._tend(record, now)
-            except JobNotFound:
-                continue
+            self._isolated(record.id, self._tend, record, now)
         free = self.settings.max_workers - busy
         held: set[Launcher] = set()  # launchers whose queue head does not fit
         for stored in sorted(pending, key=lambda s: (-s.record.spec.priority, s.create_revision)):
@@ -128,11 +155,27 @@ class Reconciler:
                 continue  # strict order: nothing overtakes the head of its launcher's queue
             if launcher in OWN_SLOTS and record.spec.workers > free:
                 held.add(launcher)
-            elif self._start_attempt(record, now):
+            elif self._isolated(record.id, self._start_attempt, record, now):
                 if launcher in OWN_SLOTS:
                     free -= record.spec.workers
             else:
                 held.add(launcher)
+
+    def _isolated(self, job_id: str, step: Callable[..., Any], *args: Any) -> Any:
+        """One job's step (its result; None when it failed): what goes wrong with one job
+        stops only that job's step, never the others'. A record that turned invalid
+        meanwhile is left alone (the store logged it)."""
+        try:
+            return step(*args)
+        except (JobNotFound, InvalidRecord):
+            return None
+        except EtcdError:
+            raise  # etcd away: the whole pass waits for the next tick
+        except InvalidChange as exc:
+            log.warning("job %s: %s", job_id, exc)
+        except Exception:
+            log.exception("job %s: reconcile step failed; trying again next tick", job_id)
+        return None
 
     def _cancel_pending(self, job_id: str, now: float) -> None:
         def change(record: JobRecord) -> JobRecord | None:
@@ -148,10 +191,17 @@ class Reconciler:
         """Start the job's next attempt if it fits now (False: it waits)."""
         number = len(record.attempts) + 1
         launcher = self.launchers[record.spec.launcher]
-        launch = self._launch(record, number)
+        if launcher.reserve(self._launch(record, number)) is None:
+            return False  # it waits (and no user is made for a job that waits)
+        credentials = self._provision(record.id)
+        launch = self._launch(record, number, credentials)
         reservation = launcher.reserve(launch)
         if reservation is None:
             return False
+        puts = list(reservation.puts)
+        if credentials is not None:  # for a leader that has to finish this launch
+            stored = {"user": credentials.user, "password": credentials.password}
+            puts.append(Put(self._credentials_key(record.id), json.dumps(stored)))
 
         def change(current: JobRecord) -> JobRecord | None:
             if current.state not in (S.PENDING, S.RESTARTING) or len(current.attempts) >= number:
@@ -164,7 +214,7 @@ class Reconciler:
             started.attempts = [*current.attempts, attempt]
             return started
 
-        record = self.store.update(record.id, change, reservation.guards, reservation.puts)
+        record = self.store.update(record.id, change, reservation.guards, puts)
         if record.state != S.STARTING or len(record.attempts) != number:
             return False
         if number > 1:
@@ -189,8 +239,87 @@ class Reconciler:
             self.launched += 1
             record = self.store.update(record.id, _with_member(attempt.number, member))
 
-    def _launch(self, record: JobRecord, attempt: int) -> Launch:
-        return Launch(record.run_id, attempt, record.spec, self._worker_args(record, attempt))
+    def _launch(
+        self, record: JobRecord, attempt: int, credentials: Credentials | None = None
+    ) -> Launch:
+        args = self._worker_args(record, attempt)
+        return Launch(record.run_id, attempt, record.spec, args, credentials)
+
+    # -- credentials --------------------------------------------------------------
+
+    def _credentials_key(self, job_id: str) -> str:
+        return self.etcd.key("api", "credentials", job_id)
+
+    def _provision(self, job_id: str) -> Credentials | None:
+        """A new password for the job's own etcd user (made if missing), or None when
+        members must connect as the service does."""
+        if self._per_job_users is None and not self.etcd.auth_enabled():
+            self._per_job_users = False  # a plain etcd: nobody has credentials
+        if self._per_job_users is False:
+            return None
+        try:
+            credentials = provision_job(self.etcd, job_id)
+        except CannotManageUsers as exc:
+            log.warning("members connect as the service's own etcd user: %s", exc)
+            self._per_job_users = False
+            return None
+        self._per_job_users = True
+        return credentials
+
+    def _stored_credentials(self, job_id: str) -> Credentials | None:
+        """The credentials the attempt started with (a predecessor's launch to finish)."""
+        kv = self.etcd.get(self._credentials_key(job_id))
+        if kv is None:
+            return None
+        try:
+            stored = json.loads(kv.value)
+            user, password = stored["user"], stored["password"]
+            if not isinstance(user, str) or not isinstance(password, str):
+                raise TypeError("user and password must be text")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("job %s: stored credentials unusable (%s): making new ones", job_id, exc)
+            return self._provision(job_id)
+        return Credentials(user, password)
+
+    def _revoke(self, job_id: str) -> None:
+        """The job's etcd user, role and stored credentials go (none there is fine)."""
+        if self._per_job_users is not False:
+            try:
+                revoke_job(self.etcd, job_id)
+            except CannotManageUsers:
+                self._per_job_users = False
+            except ValueError:  # not a job id (a key that is no job's)
+                pass
+        self.etcd.delete(self._credentials_key(job_id))
+
+    def _remove_stale_users(self) -> None:
+        """Remove the users of jobs that ended or are gone (a leader died before it could)."""
+        try:
+            with_users = set(job_users(self.etcd))
+        except CannotManageUsers:
+            with_users = set()
+        prefix = self._credentials_key("")
+        stored, _ = self.etcd.get_prefix(prefix, keys_only=True)
+        for job_id in sorted(with_users | {kv.key[len(prefix) :] for kv in stored}):
+            try:
+                if not self.store.get(job_id).record.state.terminal:
+                    continue
+            except JobNotFound:
+                pass
+            except InvalidRecord:
+                continue  # left alone, like everything about that job
+            self._revoke(job_id)
+
+    def _remove_deleted_users(self) -> None:
+        with self._deleted_lock:
+            deleted, self._deleted = self._deleted, set()
+        for job_id in deleted:
+            self._revoke(job_id)
+
+    def _ended(self, record: JobRecord) -> None:
+        """Once a job is over, its members' credentials go."""
+        if record.state.terminal:
+            self._revoke(record.id)
 
     def _worker_args(self, record: JobRecord, attempt: int) -> list[str]:
         spec = record.spec
@@ -227,12 +356,13 @@ class Reconciler:
             and attempt.stopping_since is None
             and len(attempt.members) < record.spec.workers
         ):
-            launch = self._launch(record, attempt.number)
+            credentials = self._stored_credentials(record.id)
+            launch = self._launch(record, attempt.number, credentials)
             self._launch_members(record, launch, now)  # a predecessor died half-way through
             record = self.store.get(record.id).record
             attempt = record.attempt
             assert attempt is not None
-        members = [self._follow(record.id, attempt.number, m, launcher) for m in attempt.members]
+        members = [self._follow(record, attempt.number, m, launcher) for m in attempt.members]
         progress = self._progress(record)
         codes = [m.exit_code for m in members]
         record = self._record_members(record, attempt.number, members, progress, now)
@@ -267,35 +397,36 @@ class Reconciler:
             self._stop_attempt(record.id, attempt.number, reason, then, now)
 
     def _follow(
-        self, job_id: str, attempt: int, member: Member, launcher: WorkerLauncher
+        self, record: JobRecord, attempt: int, member: Member, launcher: WorkerLauncher
     ) -> Member:
-        """The member with what its new output and its exit code say."""
-        key = (job_id, attempt, member.index)
+        """The member with what its new output and its exit code say. What a member
+        prints is not trusted to fit the record: what would not is left out."""
+        key = (record.id, attempt, member.index)
         offset = self._offsets.get(key, 0)
         chunk = launcher.output(member, offset)
         complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
         self._offsets[key] = offset + len(complete)
         update: dict[str, Any] = {}
         for event in member_events(complete):
-            if event.get("rank") is not None:
-                update["rank"] = event["rank"]
+            rank = event.get("rank")
+            if _is_int(rank) and 0 <= rank < record.spec.workers:
+                update["rank"] = rank
             if event.get("event") == "phase":
-                update["phase"] = event["phase"]
+                update["phase"] = _text(event.get("phase"))
             elif event.get("event") == "failed":
                 update["failure"] = event
-                update["phase"] = f"failed in {event.get('phase')}"
+                update["phase"] = _text(f"failed in {event.get('phase')}")
             elif event.get("event") == "done":
                 update["phase"] = "done"
-                roster = event.get("roster") or {}
-                for entry in roster.get("members", []):
-                    if entry.get("rank") == event.get("rank"):
-                        update["address"] = f"{entry.get('host')}:{entry.get('port')}"
-                self._note_result(job_id, event.get("result") or {})
+                if (address := _roster_address(event)) is not None:
+                    update["address"] = address
+                self._note_result(record.id, event.get("result"))
             elif event.get("event") in ("round", "step"):
-                self._note_progress(job_id, event)
+                self._note_progress(record.id, event)
         if member.exit_code is None:
-            update["exit_code"] = launcher.exit_code(member)
-        return member.model_copy(update=update) if update else member
+            code = launcher.exit_code(member)
+            update["exit_code"] = code if code is None or _is_exit_code(code) else VANISHED
+        return member.model_copy(update=_fitting(member, update)) if update else member
 
     def _note_progress(self, job_id: str, event: dict[str, Any]) -> None:
         pending = self._pending_progress.setdefault(job_id, {})
@@ -306,7 +437,9 @@ class Reconciler:
             pending.update(step=event.get("clock"), total=event.get("target"))
             pending["metrics"] = {"loss": event.get("loss")}
 
-    def _note_result(self, job_id: str, result: dict[str, Any]) -> None:
+    def _note_result(self, job_id: str, result: Any) -> None:
+        if not isinstance(result, dict):
+            return
         found = {k: str(v) for k, v in result.items() if k.endswith("_path") and v}
         self._pending_progress.setdefault(job_id, {}).setdefault("artifacts", {}).update(found)
 
@@ -340,6 +473,7 @@ class Reconciler:
                 artifacts = progress.get("artifacts") or {}
                 updated.artifacts = {**updated.artifacts, **artifacts}
                 fields = {k: v for k, v in progress.items() if k != "artifacts"}
+                fields = _fitting(updated.progress, fields)
                 if fields:
                     updated.progress = updated.progress.model_copy(
                         update={**fields, "updated_at": now}
@@ -392,7 +526,7 @@ class Reconciler:
                 return updated  # already RESTARTING; the next tick starts the next attempt
             return advance(updated, attempt.then, attempt.outcome or "", now)
 
-        self.store.update(record.id, change)
+        self._ended(self.store.update(record.id, change))
         for index in range(len(attempt.members)):
             self._offsets.pop((record.id, attempt.number, index), None)
         if attempt.then != S.RESTARTING:  # the job is over: nothing more to note for it
@@ -415,7 +549,7 @@ class Reconciler:
                 return None
             return advance(record, state, reason, now)
 
-        self.store.update(job_id, change)
+        self._ended(self.store.update(job_id, change))
 
     def _overdue(self, record: JobRecord, now: float) -> bool:
         first = record.attempts[0].started_at if record.attempts else now
@@ -460,3 +594,43 @@ def _describe(member: Member) -> str:
     if signal_number > 0:
         return f"{who} was killed by signal {signal_number} (exit {member.exit_code})"
     return f"{who} exited {member.exit_code}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_exit_code(code: int) -> bool:
+    return _is_int(code) and -1 <= code <= 255
+
+
+def _text(value: Any, limit: int = 200) -> str:
+    text = value if isinstance(value, str) else str(value)
+    return text[:limit]
+
+
+def _roster_address(done: dict[str, Any]) -> str | None:
+    """The member's own address from the roster in its `done` event, if it names one."""
+    roster = done.get("roster")
+    entries = roster.get("members") if isinstance(roster, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and entry.get("rank") == done.get("rank"):
+            return _text(f"{entry.get('host')}:{entry.get('port')}", 300)
+    return None
+
+
+def _fitting(current: BaseModel, update: dict[str, Any]) -> dict[str, Any]:
+    """`update` without the fields that would make `current` invalid (a member's output
+    is not trusted to fit the record; the store refuses to write a record that fails)."""
+    update = dict(update)
+    while update:
+        try:
+            type(current).model_validate({**current.model_dump(), **update}, strict=True)
+            return update
+        except ValidationError as exc:
+            bad = {error["loc"][0] for error in exc.errors() if error["loc"]} & update.keys()
+            if not bad:
+                return {}
+            for name in bad:
+                del update[name]
+    return update

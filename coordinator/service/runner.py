@@ -47,6 +47,10 @@ class ServiceOptions:
     docker_network: str = "coordinator"
     docker_host: str | None = None
     docker_etcd: str | None = None
+    # Each member container's limits, and the volume at its /artifacts.
+    docker_memory: str = "2g"
+    docker_pids_limit: int = 1024
+    docker_artifacts: str = "etcd-coordinator-artifacts"
     # The kubernetes launcher, enabled by an image: its namespace (None: the pod's own,
     # else the kubeconfig's) and etcd as pods see it (None: --etcd).
     k8s_image: str | None = None
@@ -75,6 +79,10 @@ class Service:
                 options.docker_network,
                 options.docker_host,
                 options.docker_etcd or options.etcd,
+                memory=options.docker_memory,
+                pids_limit=options.docker_pids_limit,
+                artifacts=options.docker_artifacts,
+                secrets_dir=options.data_dir / "docker-secrets",  # the members' passwords
             )
         if options.k8s_image:
             from coordinator.service.launchers.kubernetes import (

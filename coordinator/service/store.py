@@ -4,6 +4,12 @@ Each record is one key, `<ns>/api/jobs/<id>`, holding the `JobRecord` JSON.
 The key's create revision is the job's place in the queue; its mod revision
 is what a change must still find, so two replicas never both move a job.
 
+Nothing read from etcd is trusted: every record is validated (strictly, with
+the API's own models, and its id must be its key's) before anything uses it. A
+record that fails is logged once per revision, naming its key and the first
+error, and left alone: listings and the leader's scans skip it, and reading or
+changing that job raises `InvalidRecord`, which the API answers with a 409.
+
 With `mirror=True` the store also keeps every record in memory, current within
 one watch notification and never older than this replica's own writes (a
 version is replaced only by a newer revision). Reads, lists and the leader's
@@ -14,14 +20,19 @@ never let a wrong one through.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from coordinator.etcd.client import Etcd, Guard, KeyValue, LeaseNotFound, Put, Watch, WatchEvent
 from coordinator.service.model import Condition, JobRecord, JobSpec, JobState
 
+log = logging.getLogger(__name__)
 MAX_CAS_TRIES = 50
 
 
@@ -33,6 +44,19 @@ class JobConflict(ValueError):
     """The id is taken by a job with another spec."""
 
 
+class InvalidRecord(ValueError):
+    """The record stored for a job fails validation: nothing acts on it."""
+
+    def __init__(self, job_id: str, cause: str) -> None:
+        super().__init__(f"the stored record of job {job_id!r} is invalid: {cause}")
+        self.job_id = job_id
+        self.cause = cause
+
+
+class InvalidChange(ValueError):
+    """A change would store a record that fails validation: nothing was written."""
+
+
 @dataclass(frozen=True)
 class Stored:
     record: JobRecord
@@ -41,12 +65,42 @@ class Stored:
     raw: bytes  # the record's JSON as stored (served as it is)
 
 
+@dataclass(frozen=True)
+class Rejected:
+    """A stored version that failed validation (kept so the mirror's order holds)."""
+
+    error: InvalidRecord
+    mod_revision: int
+
+
+def parse_record(job_id: str, raw: bytes) -> JobRecord:
+    """The record stored at job `job_id`'s key, validated as the API validates; raises
+    `InvalidRecord` naming the first error."""
+    try:
+        record = JobRecord.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise InvalidRecord(job_id, first_error(exc)) from None
+    if record.id != job_id:
+        raise InvalidRecord(job_id, f"id: {record.id!r} is stored under another job's key")
+    return record
+
+
+def first_error(exc: ValidationError) -> str:
+    """`field.path: message` of the first error, short enough for a log line."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in error["loc"])
+    message = str(error["msg"]).removeprefix("Value error, ")
+    text = f"{where}: {message}" if where else message
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class JobStore:
     def __init__(self, etcd: Etcd, mirror: bool = False) -> None:
         self.etcd = etcd
         self.prefix = etcd.key("api", "jobs") + "/"
-        self._mirror: dict[str, Stored] | None = None
+        self._mirror: dict[str, Stored | Rejected] | None = None
         self._deleted: dict[str, int] = {}  # id -> revision of its deletion (mirror only)
+        self._reported: dict[str, int] = {}  # id -> the invalid revision last logged
         self._lock = threading.Lock()
         self._watch: Watch | None = None
         if mirror:
@@ -69,8 +123,7 @@ class JobStore:
             submitted_at=now,
         )
         created, current, _ = self.etcd.create(self.key(spec.id), record.model_dump_json())
-        stored = _stored(current)
-        self._offer(stored)
+        stored = self._checked(spec.id, current)
         if created:
             return stored.record, True
         if stored.record.spec != spec:
@@ -89,12 +142,18 @@ class JobStore:
 
         `guards` and `also` make the change one transaction with other keys (a
         reservation's): when a guard fails, or names a lease that expired, nothing is
-        written and the record is returned as it was."""
+        written and the record is returned as it was. The new record is validated
+        before it is written (`InvalidChange`: nothing was); a stored record that fails
+        validation raises `InvalidRecord` and is never changed."""
         stored = self.get(job_id)
         for _ in range(MAX_CAS_TRIES):
             new = change(stored.record)
             if new is None or new == stored.record:
                 return stored.record
+            try:  # as any reader will see it
+                new = parse_record(job_id, new.model_dump_json().encode())
+            except InvalidRecord as exc:
+                raise InvalidChange(f"job {job_id}: not written, {exc.cause}") from None
             raw = new.model_dump_json().encode()
             try:
                 written, current, revision = self.etcd.replace(
@@ -103,13 +162,13 @@ class JobStore:
             except LeaseNotFound:  # a reserved agent died meanwhile
                 return stored.record
             if written:
-                self._offer(Stored(new, revision, stored.create_revision, raw))
+                self._offer(job_id, Stored(new, revision, stored.create_revision, raw))
                 return new
             if current is None:
                 raise JobNotFound(job_id)
             if current.mod_revision == stored.mod_revision:
                 return stored.record  # the record is as read: a guard failed
-            stored = _stored(current)
+            stored = self._checked(job_id, current)
         raise RuntimeError(f"job {job_id}: {MAX_CAS_TRIES} writers raced for the record")
 
     def delete(self, stored: Stored) -> bool:
@@ -122,36 +181,44 @@ class JobStore:
     # -- reads ------------------------------------------------------------------
 
     def get(self, job_id: str) -> Stored:
+        """The job's record; `JobNotFound`, or `InvalidRecord` for one that fails validation."""
         if self._mirror is not None:
             with self._lock:
-                stored = self._mirror.get(job_id)
-            if stored is not None:
-                return stored
+                entry = self._mirror.get(job_id)
+            if isinstance(entry, Rejected):
+                raise entry.error
+            if entry is not None:
+                return entry
         kv = self.etcd.get(self.key(job_id))  # not mirrored (yet): ask etcd
         if kv is None:
             raise JobNotFound(job_id)
-        stored = _stored(kv)
-        self._offer(stored)
-        return stored
+        return self._checked(job_id, kv)
 
     def cached(self, job_id: str) -> Stored | None:
-        """The mirrored version, without asking etcd (None: not mirrored, or unknown)."""
+        """The mirrored version, without asking etcd (None: not mirrored, unknown, or
+        invalid)."""
         if self._mirror is None:
             return None
         with self._lock:
-            return self._mirror.get(job_id)
+            entry = self._mirror.get(job_id)
+        return entry if isinstance(entry, Stored) else None
 
     def scan(self) -> Iterator[Stored]:
-        """Every job, in id order (from the mirror, or a page at a time from etcd)."""
+        """Every job whose record is valid, in id order (from the mirror, or a page at a
+        time from etcd)."""
         if self._mirror is not None:
             with self._lock:
                 everything = sorted(self._mirror.items())
-            yield from (stored for _, stored in everything)
+            yield from (entry for _, entry in everything if isinstance(entry, Stored))
             return
         after: str | None = None
         while True:
             kvs, more = self.etcd.page(self.prefix, after, 500)
-            yield from (_stored(kv) for kv in kvs)
+            for kv in kvs:
+                try:
+                    yield self._checked(kv.key[len(self.prefix) :], kv)
+                except InvalidRecord:
+                    continue  # logged; left alone
             if not more or not kvs:
                 return
             after = kvs[-1].key
@@ -176,13 +243,38 @@ class JobStore:
         if self._watch is not None:
             self._watch.cancel()
 
+    # -- validation -------------------------------------------------------------------
+
+    def _checked(self, job_id: str, kv: KeyValue) -> Stored:
+        """`kv` as a validated record (offered to the mirror either way); raises
+        `InvalidRecord`, logged once per revision."""
+        return self._accept(job_id, kv.value, kv.mod_revision, kv.create_revision)
+
+    def _accept(self, job_id: str, raw: bytes, revision: int, created: int) -> Stored:
+        try:
+            stored = Stored(parse_record(job_id, raw), revision, created, raw)
+        except InvalidRecord as exc:
+            self._report(exc, revision)
+            self._offer(job_id, Rejected(exc, revision))
+            raise
+        self._offer(job_id, stored)
+        return stored
+
+    def _report(self, error: InvalidRecord, revision: int) -> None:
+        with self._lock:
+            if self._reported.get(error.job_id) == revision:
+                return
+            self._reported[error.job_id] = revision
+        log.warning("ignoring %r (revision %d): %s", self.key(error.job_id), revision, error.cause)
+
     # -- the mirror -----------------------------------------------------------------
 
     def _start_mirror(self) -> None:
         self._mirror = {}
         kvs, revision = self.etcd.get_prefix(self.prefix)
         for kv in kvs:
-            self._offer(_stored(kv))
+            job_id = kv.key[len(self.prefix) :]
+            self._offer_quietly(job_id, kv.value, kv.mod_revision, kv.create_revision)
         self._watch = self.etcd.watch(
             self.prefix, self._on_events, start_revision=revision + 1, prefix=True
         )
@@ -193,22 +285,27 @@ class JobStore:
             if event.kind == "delete":
                 self._forget(job_id, event.revision)
             else:
-                record = JobRecord.model_validate_json(event.value)
-                self._offer(Stored(record, event.revision, event.create_revision, event.value))
+                self._offer_quietly(job_id, event.value, event.revision, event.create_revision)
 
-    def _offer(self, stored: Stored) -> None:
-        """Keep `stored` unless the mirror already has this job at a newer revision."""
+    def _offer_quietly(self, job_id: str, raw: bytes, revision: int, created: int) -> None:
+        """Mirror a version read from etcd, valid or not (an invalid one is logged)."""
+        with contextlib.suppress(InvalidRecord):
+            self._accept(job_id, raw, revision, created)
+
+    def _offer(self, job_id: str, entry: Stored | Rejected) -> None:
+        """Keep `entry` unless the mirror already has this job at a newer revision."""
         if self._mirror is None:
             return
-        job_id = stored.record.id
         with self._lock:
             current = self._mirror.get(job_id)
-            if stored.mod_revision <= self._deleted.get(job_id, 0):
+            if entry.mod_revision <= self._deleted.get(job_id, 0):
                 return
-            if current is None or stored.mod_revision > current.mod_revision:
-                self._mirror[job_id] = stored
+            if current is None or entry.mod_revision > current.mod_revision:
+                self._mirror[job_id] = entry
 
     def _forget(self, job_id: str, revision: int) -> None:
+        with self._lock:
+            self._reported.pop(job_id, None)
         if self._mirror is None:
             return
         with self._lock:
@@ -216,8 +313,3 @@ class JobStore:
             if current is not None and current.mod_revision < revision:
                 del self._mirror[job_id]
             self._deleted[job_id] = max(revision, self._deleted.get(job_id, 0))
-
-
-def _stored(kv: KeyValue) -> Stored:
-    record = JobRecord.model_validate_json(kv.value)
-    return Stored(record, kv.mod_revision, kv.create_revision, kv.value)

@@ -12,6 +12,17 @@ const TOKEN_KEY = "coordinator-token";
 const JOBS_REFRESH_MS = 2000;
 const MAX_CLOCK_POINTS = 4000; // per trainer: older points are thinned beyond this (long runs)
 
+// `coordinator serve` prints a link with its token in the fragment (#token=...), which the
+// browser never sends: keep it for this session, and take it out of the address bar and the
+// history at once, so it is neither bookmarked nor shown over a shoulder.
+function tokenFromLink() {
+  const match = location.hash.match(/^#token=([^&]+)$/);
+  if (!match) return;
+  sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
+  history.replaceState(null, "", `${location.pathname}${location.search}#/`);
+}
+tokenFromLink();
+
 const session = { token: sessionStorage.getItem(TOKEN_KEY), role: "none", auth: false };
 let page = null; // the current page's AbortController: its requests and timers stop with it
 window.dashboard = { clocks: {}, clockUpdates: 0 };
@@ -128,7 +139,7 @@ async function learnRole() {
   const who = document.getElementById("who");
   who.innerHTML = me.auth
     ? `${escape(me.role === "submit" ? "submitter" : "reader")} · <a href="#" id="sign-out">sign out</a>`
-    : `<span class="muted">no auth (loopback)</span>`;
+    : `<span class="muted">no auth (--insecure)</span>`;
   const out = document.getElementById("sign-out");
   if (out) {
     out.addEventListener("click", (event) => {

@@ -17,14 +17,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from functools import cached_property
 from pathlib import Path
 
 import docker
+from docker.models.containers import Container
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERS_CONF = Path(__file__).with_name("containers.conf")
-COMPOSE_FILE = REPO / "compose" / "compose.yaml"  # the product: etcd, service, agents
+COMPOSE_FILE = REPO / "compose" / "compose.yaml"  # the product: etcd (TLS, auth), service, agents
+PLAIN_COMPOSE_FILE = REPO / "compose" / "compose.plain.yaml"  # the same with a plain etcd
+CLIENT_CERTS_FILE = REPO / "compose" / "compose.client-certs.yaml"  # + client certificates
+INIT_SECRETS = REPO / "compose" / "init-secrets.sh"  # the one-time step before compose.yaml
 JOB_COMPOSE_FILE = REPO / "compose" / "job.yaml"  # one job: etcd and its workers
 LABEL = "etcd-coordinator-test"
 IMAGE_PREFIX = "localhost/etcd-coordinator-test"
@@ -214,6 +219,17 @@ def build_images() -> Images:
     return Images()
 
 
+def init_secrets(folder: Path, agents: int = 3) -> Path:
+    """compose/init-secrets.sh into `folder`, as the docs say to run it (as root here, so
+    it gives each file to the container user that reads it)."""
+    subprocess.run(
+        [str(INIT_SECRETS), str(folder)],
+        check=True, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "AGENTS": str(agents)},
+    )  # fmt: skip
+    return folder
+
+
 def compose(
     project: str,
     *args: str,
@@ -227,3 +243,47 @@ def compose(
         ["docker-compose", "-f", str(file), "-p", project, *args],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
     )  # fmt: skip
+
+
+# -- least privilege, as the engine reports it and the kernel applies it ----------------
+
+COORDINATOR_USER = "10001:10001"  # the image's user, also set in the compose files
+ETCD_USER = "65532:65532"  # distroless's `nonroot`, owner of /home/nonroot (etcd's data)
+
+
+def _proc_status(pid: int) -> dict[str, str]:
+    """The kernel's view of a container's main process (rootful podman: a host pid)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def assert_least_privilege(container: Container, user: str) -> None:
+    """What the compose files ask for, as the engine reports it and as the kernel applies
+    it to the running process: a non-root user, a read-only root filesystem, no
+    capability at all, no-new-privileges."""
+    container.reload()
+    host, config = container.attrs["HostConfig"], container.attrs["Config"]
+    name = container.name
+    assert config["User"] == user, name
+    assert host["ReadonlyRootfs"] is True, name
+    assert not host.get("CapAdd"), name
+    # Docker reports ["ALL"]; podman the default set it dropped, name by name.
+    dropped = {cap.removeprefix("CAP_") for cap in host["CapDrop"] or []}
+    assert "ALL" in dropped or {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID"} <= dropped, name
+    assert any(opt.startswith("no-new-privileges") for opt in host["SecurityOpt"] or []), name
+    status = _proc_status(container.attrs["State"]["Pid"])
+    uid, gid = user.split(":")
+    assert status["Uid"].split() == [uid] * 4 and status["Gid"].split() == [gid] * 4, name
+    for capabilities in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[capabilities], 16) == 0, f"{name}: {capabilities} {status[capabilities]}"
+    assert status["NoNewPrivs"] == "1", name
+
+
+def assert_writes_only_where_allowed(container: Container, writable: list[str]) -> None:
+    """The root filesystem refuses a write; each of `writable` takes one (as uid 10001)."""
+    code, output = container.exec_run(["sh", "-c", "touch /probe"])
+    assert code != 0 and b"Read-only file system" in output, (container.name, output)
+    for folder in writable:
+        probe = f"{folder}/probe-{uuid.uuid4().hex[:6]}"
+        code, output = container.exec_run(["sh", "-c", f"touch {probe} && rm {probe}"])
+        assert code == 0, (container.name, folder, output)

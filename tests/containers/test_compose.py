@@ -24,17 +24,26 @@ import torch
 import xgboost
 from docker.models.containers import Container
 
-from coordinator.etcd.client import Etcd
+from coordinator.etcd.client import Etcd, EtcdError, EtcdRefused
+from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.users import agent_user, job_user, users
 from coordinator.ps.model import MnistNet
 from coordinator.rendezvous.errors import MemberLost
 from tests.conftest import wait_until
 from tests.containers.harness import (
+    CLIENT_CERTS_FILE,
     COMPOSE_FILE,
+    COORDINATOR_USER,
+    ETCD_USER,
     JOB_COMPOSE_FILE,
     LABEL,
+    PLAIN_COMPOSE_FILE,
     Images,
     PodmanService,
+    assert_least_privilege,
+    assert_writes_only_where_allowed,
     compose,
+    init_secrets,
 )
 
 pytestmark = pytest.mark.containers
@@ -47,7 +56,7 @@ def project(podman_service: PodmanService) -> Iterator[str]:
     """A compose project name of the test's own; everything in it is removed afterwards."""
     name = f"ectest{uuid.uuid4().hex[:8]}"
     yield name
-    for file in (COMPOSE_FILE, JOB_COMPOSE_FILE):  # whichever mode the test brought up
+    for file in (COMPOSE_FILE, PLAIN_COMPOSE_FILE, JOB_COMPOSE_FILE):  # whichever was up
         compose(name, "down", "-v", "--remove-orphans", "-t", "1", env={}, file=file)
     client = podman_service.client
     project_label = f"com.docker.compose.project={name}"
@@ -270,47 +279,6 @@ def _timestamp(text: str) -> float:
 
 # -- least privilege ------------------------------------------------------------------
 
-COORDINATOR_USER = "10001:10001"  # the image's user, also set in the compose files
-ETCD_USER = "65532:65532"  # distroless's `nonroot`, owner of /home/nonroot (etcd's data)
-
-
-def _proc_status(pid: int) -> dict[str, str]:
-    """The kernel's view of a container's main process (rootful podman: a host pid)."""
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
-
-
-def assert_least_privilege(container: Container, user: str) -> None:
-    """What the compose files ask for, as the engine reports it and as the kernel applies
-    it to the running process: a non-root user, a read-only root filesystem, no
-    capability at all, no-new-privileges."""
-    container.reload()
-    host, config = container.attrs["HostConfig"], container.attrs["Config"]
-    name = container.name
-    assert config["User"] == user, name
-    assert host["ReadonlyRootfs"] is True, name
-    assert not host.get("CapAdd"), name
-    # Docker reports ["ALL"]; podman the default set it dropped, name by name.
-    dropped = {cap.removeprefix("CAP_") for cap in host["CapDrop"] or []}
-    assert "ALL" in dropped or {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID"} <= dropped, name
-    assert any(opt.startswith("no-new-privileges") for opt in host["SecurityOpt"] or []), name
-    status = _proc_status(container.attrs["State"]["Pid"])
-    uid, gid = user.split(":")
-    assert status["Uid"].split() == [uid] * 4 and status["Gid"].split() == [gid] * 4, name
-    for capabilities in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
-        assert int(status[capabilities], 16) == 0, f"{name}: {capabilities} {status[capabilities]}"
-    assert status["NoNewPrivs"] == "1", name
-
-
-def assert_writes_only_where_allowed(container: Container, writable: list[str]) -> None:
-    """The root filesystem refuses a write; each of `writable` takes one (as uid 10001)."""
-    code, output = container.exec_run(["sh", "-c", "touch /probe"])
-    assert code != 0 and b"Read-only file system" in output, (container.name, output)
-    for folder in writable:
-        probe = f"{folder}/probe-{uuid.uuid4().hex[:6]}"
-        code, output = container.exec_run(["sh", "-c", f"touch {probe} && rm {probe}"])
-        assert code == 0, (container.name, folder, output)
-
 
 def test_one_job_mode_runs_with_least_privilege(
     podman_service: PodmanService, images: Images, project: str
@@ -331,20 +299,16 @@ def test_one_job_mode_runs_with_least_privilege(
         assert_writes_only_where_allowed(worker, ["/tmp", "/artifacts"])
 
 
-# -- the whole product: etcd, the REST service, agents -----------------------------------
+# -- the whole product: etcd with TLS and auth, the REST service, agents ----------------
 
-AGENTS = 3
+AGENT_IDS = ("agent-1", "agent-2", "agent-3")
+SECRET_FILES = ("etcd-root-password", "tokens", *(f"{a}-password" for a in AGENT_IDS))
 
 
 def _free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _agents_registered(podman: PodmanService, project: str) -> int:
-    with etcd_client(podman, project) as etcd:
-        return etcd.count_prefix(etcd.key("agents") + "/")
 
 
 def _ready(url: str) -> bool:
@@ -354,80 +318,169 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _token(secrets: Path, role: str) -> str:
+    """The token of `role` in the token file init-secrets.sh wrote."""
+    for line in (secrets / "tokens").read_text().splitlines():
+        if line.split()[:1] == [role]:
+            return line.split()[1]
+    raise AssertionError(f"no {role} token in {secrets / 'tokens'}")
+
+
+class SecureEtcd:
+    """The compose etcd from the host, through a port published on loopback only (by the
+    test's own override file): its certificate names 127.0.0.1, so TLS is verified."""
+
+    def __init__(self, secrets: Path, port: int, client_certs: bool) -> None:
+        self.secrets, self.endpoint = secrets, f"https://127.0.0.1:{port}"
+        self.ca = str(secrets / "ca.pem")
+        # With compose.client-certs.yaml etcd wants a client certificate as well.
+        self.tls = {"cert": str(secrets / "client.pem"), "key": str(secrets / "client-key.pem")}
+        if not client_certs:
+            self.tls = {}
+
+    def client(self, user: str | None = None, password_file: str | None = None, **kw: Any) -> Etcd:
+        security = EtcdSecurity(ca=self.ca, user=user, password_file=password_file, **self.tls)
+        return Etcd(self.endpoint, security=security, connect_timeout=kw.pop("timeout", 10), **kw)
+
+    def root(self) -> Etcd:
+        return self.client("root", str(self.secrets / "etcd-root-password"))
+
+
+def _agents_registered(etcd: SecureEtcd) -> int:
+    with etcd.root() as client:
+        return client.count_prefix(client.key("agents") + "/")
+
+
+def _published_etcd(folder: Path, port: int) -> Path:
+    """An override that publishes etcd's port on the host's loopback, for the test alone."""
+    override = folder / "etcd-port.yaml"
+    override.write_text(f'services:\n  etcd:\n    ports: ["127.0.0.1:{port}:2379"]\n')
+    return override
+
+
 @pytest.mark.timeout(900)
-def test_compose_product_runs_a_job_submitted_over_rest_on_the_agents(
-    podman_service: PodmanService, images: Images, project: str, tmp_path: Path
+@pytest.mark.parametrize("variant", ["default", "client-certs"])
+def test_compose_product_with_tls_and_auth_runs_a_job_and_refuses_others_in_etcd(
+    podman_service: PodmanService, images: Images, project: str, tmp_path: Path, variant: str
 ) -> None:
-    """`up` with the service and 3 agents; `coordinator submit xgboost --workers 3` from
-    the host reaches the API on a published loopback port and the job succeeds on the
-    agents; the model is in the artifacts volume; every container runs with least
-    privilege; `down -v` leaves no container, network or volume of the project."""
-    submit_token, read_token = f"s-{uuid.uuid4().hex}", f"r-{uuid.uuid4().hex}"
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"# test tokens\nsubmit {submit_token}\nread {read_token}\n")
-    tokens.chmod(0o644)  # the service (uid 10001) reads it; see docs/compose.md
-    port = _free_loopback_port()
+    """The default compose file (and with compose.client-certs.yaml, which also requires
+    client certificates), after its one-time step (init-secrets.sh): the init container
+    turns auth on and makes the agents' users, then `coordinator submit xgboost
+    --workers 3` from the host succeeds on the agents over TLS with per-job users. etcd
+    refuses a client without credentials (Python and etcdctl) and a plain-text one; an
+    agent's credentials can neither write nor read a job record. Every container runs
+    with least privilege, no secret is in any container's environment or argv, and
+    `down -v` leaves nothing of the project."""
+    client_certs = variant == "client-certs"
+    secrets = init_secrets(tmp_path / "secrets", agents=len(AGENT_IDS))
+    port, etcd_port = _free_loopback_port(), _free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     env = {
         "ETCD_IMAGE": images.etcd,
         "COORDINATOR_IMAGE": images.worker,
-        "TOKEN_FILE": str(tokens),
+        "SECRETS_DIR": str(secrets),
         "PORT": str(port),
         "HOST_IP": "127.0.0.1",  # the default, said here: test traffic stays on loopback
-        "AGENTS": str(AGENTS),
         "SLOTS": "2",
     }
-    result = compose(project, "up", "-d", env=env, file=COMPOSE_FILE)
+    files = ["-f", str(CLIENT_CERTS_FILE)] if client_certs else []
+    files += ["-f", str(_published_etcd(tmp_path, etcd_port))]  # after -f compose.yaml
+    result = compose(project, *files, "up", "-d", env=env, file=COMPOSE_FILE, timeout=600)
     assert result.returncode == 0, result.stderr
 
-    (etcd,) = service_containers(podman_service, project, "etcd")
+    (etcd_container,) = service_containers(podman_service, project, "etcd")
+    (init,) = service_containers(podman_service, project, "etcd-init")
     (service,) = service_containers(podman_service, project, "service")
-    agents = service_containers(podman_service, project, "agent")
-    assert len(agents) == AGENTS
+    agents = [c for a in AGENT_IDS for c in service_containers(podman_service, project, a)]
+    assert len(agents) == len(AGENT_IDS)
+    etcd = SecureEtcd(secrets, etcd_port, client_certs)
 
     def diagnostics() -> str:
         return "\n".join(
-            f"--- {c.name}\n{c.logs(tail=40).decode(errors='replace')}" for c in (service, *agents)
+            f"--- {c.name}\n{c.logs(tail=40).decode(errors='replace')}"
+            for c in (init, service, *agents)
         )
 
-    wait_until(lambda: _ready(url), 120, f"the service ready at {url}\n{diagnostics()}")
+    init.reload()
+    assert init.attrs["State"]["ExitCode"] == 0 and init.status == "exited", diagnostics()
+    assert b"etcd init: auth on" in init.logs(), diagnostics()
+    wait_until(lambda: _ready(url), 180, f"the service ready at {url}\n{diagnostics()}")
     wait_until(
-        lambda: _agents_registered(podman_service, project) == AGENTS,
-        60,
-        f"{AGENTS} agents registered\n{diagnostics()}",
+        lambda: _agents_registered(etcd) == len(AGENT_IDS),
+        90,
+        f"{len(AGENT_IDS)} agents registered\n{diagnostics()}",
     )
 
-    assert_least_privilege(etcd, ETCD_USER)
+    # etcd refuses whoever has no credentials, and plain text altogether.
+    if client_certs:  # no certificate: refused in the handshake; with one, no user
+        with pytest.raises(EtcdRefused, match="missing client certificate"):
+            Etcd(etcd.endpoint, security=EtcdSecurity(ca=etcd.ca), connect_timeout=5).close()
+        with pytest.raises(EtcdRefused):
+            etcd.client().close()  # its CN (etcd-coordinator) is no etcd user
+    else:
+        with pytest.raises(EtcdRefused, match="missing credentials") as refused:
+            etcd.client().close()
+        assert refused.value.cause == "credentials"
+    ctl = subprocess.run(
+        [str(Path(sys.executable).with_name("etcdctl")), f"--endpoints={etcd.endpoint}",
+         f"--cacert={etcd.ca}", "--command-timeout=5s", "get", "/coordinator/", "--prefix"],
+        capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]},
+    )  # fmt: skip
+    assert ctl.returncode != 0 and "/coordinator/" not in ctl.stdout, ctl
+    if not client_certs:
+        assert "user name is empty" in ctl.stderr, ctl
+    with pytest.raises(EtcdError):
+        Etcd(f"127.0.0.1:{etcd_port}", security=EtcdSecurity(), connect_timeout=3).close()
+
+    # An agent's credentials reach its own keys, never the job records.
+    agent_password = str(secrets / "agent-1-password")
+    with etcd.client(
+        "/coordinator/agents/agent-1", agent_password, probe="assignments/agent-1/"
+    ) as agent:
+        with pytest.raises(EtcdRefused, match="permission denied"):
+            agent.put(agent.key("api", "jobs", "forged"), '{"id": "forged"}')
+        with pytest.raises(EtcdRefused, match="permission denied"):
+            agent.get(agent.key("api", "jobs", "forged"))
+    with etcd.root() as root:
+        assert root.get(root.key("api", "jobs", "forged")) is None
+
+    for container in (etcd_container, service, *agents):
+        assert_least_privilege(
+            container, ETCD_USER if container is etcd_container else COORDINATOR_USER
+        )
     for container in (service, *agents):
-        assert_least_privilege(container, COORDINATOR_USER)
         assert_writes_only_where_allowed(container, ["/tmp", "/data", "/artifacts"])
+    # Secrets reach containers as files only: none in an environment value or argv.
+    values = {(secrets / name).read_text().strip() for name in SECRET_FILES}
+    values |= {line.split()[1] for line in (secrets / "tokens").read_text().splitlines()[1:]}
+    for container in (etcd_container, init, service, *agents):
+        config = container.attrs["Config"]
+        shown = "\n".join([*(config.get("Env") or []), *(config.get("Cmd") or [])])
+        assert not any(value in shown for value in values), container.name
     assert httpx.get(f"{url}/v1/jobs", timeout=5).status_code == 401, "a token is required"
 
+    submit_token, read_token = _token(secrets, "submit"), _token(secrets, "read")
     job = f"product-{uuid.uuid4().hex[:6]}"
-    params = "rounds=5,data=synthetic:20000x8:1,eval_data=synthetic:5000x8:2"
+    params = ["rounds=5", "data=synthetic:20000x8:1", "eval_data=synthetic:5000x8:2"]
     submit = subprocess.run(
         [sys.executable, "-m", "coordinator", "submit", "xgboost", "--workers", "3",
-         "--param", params, "--id", job, "--server", f"http://localhost:{port}",
-         "--token", submit_token, "--wait"],
+         *(f"--param={p}" for p in params), "--id", job,
+         "--server", f"http://localhost:{port}", "--token", submit_token, "--wait"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "NO_COLOR": "1"},
     )  # fmt: skip
     headers = {"Authorization": f"Bearer {read_token}"}
     response = httpx.get(f"{url}/v1/jobs/{job}", headers=headers, timeout=10)
-    assert response.status_code == 200, response.text
+    said = f"{submit.stdout[-2000:]}\n{submit.stderr[-2000:]}\n{response.text[:3000]}\n"
+    assert submit.returncode == 0 and response.status_code == 200, said + diagnostics()
     record = response.json()
-    assert submit.returncode == 0, (
-        f"{submit.stdout[-2000:]}\n{submit.stderr[-2000:]}\n{json.dumps(record)[:3000]}\n"
-        + diagnostics()
-    )
     assert record["state"] == "SUCCEEDED"
 
     # Run by the agents, not by the service: every member assigned to one of them.
     assert record["spec"]["launcher"] == "agents"
-    agent_ids = {a.attrs["Config"]["Hostname"] for a in agents}
     members = record["attempts"][-1]["members"]
     assert len(members) == 3
-    assert all(m["assignment"].split("/")[0] in agent_ids for m in members), members
+    assert all(m["assignment"].split("/")[0] in AGENT_IDS for m in members), members
     # Their output reaches the host through the service, from whichever agent ran them.
     logs = httpx.get(f"{url}/v1/jobs/{job}/logs", params={"rank": 0}, headers=headers, timeout=30)
 
@@ -437,7 +490,14 @@ def test_compose_product_runs_a_job_submitted_over_rest_on_the_agents(
     assert model.exists() and model.stat().st_size > 0
     xgboost.Booster(model_file=str(model))  # a model xgboost reads back
 
-    result = compose(project, "down", "-v", "-t", "10", env=env, file=COMPOSE_FILE)
+    # The job's etcd user is gone with the job (root sees the users).
+    with etcd.root() as root:
+        wait_until(
+            lambda: job_user(root.namespace, job) not in users(root), 30, "the job's user revoked"
+        )
+        assert {agent_user(root.namespace, a) for a in AGENT_IDS} <= set(users(root))
+
+    result = compose(project, *files, "down", "-v", "-t", "10", env=env, file=COMPOSE_FILE)
     assert result.returncode == 0, result.stderr
     client = podman_service.client
     label = f"com.docker.compose.project={project}"
@@ -447,3 +507,14 @@ def test_compose_product_runs_a_job_submitted_over_rest_on_the_agents(
 
     assert logs.status_code == 200 and "[rank 0]" in logs.text, logs.text[-2000:]
     assert record["artifacts"]["model_path"] == f"/artifacts/{job}/model.json"
+
+
+def test_the_plain_opt_out_is_a_valid_compose_file_with_an_etcd_without_tls(
+    podman_service: PodmanService,
+) -> None:
+    """compose.plain.yaml (the explicit opt-out) parses; its etcd is plain, the default's
+    is TLS only."""
+    plain = compose("ectestcfg", "config", env={"TOKEN_FILE": "/dev/null"}, file=PLAIN_COMPOSE_FILE)
+    assert plain.returncode == 0, plain.stderr
+    assert "--listen-client-urls=http://0.0.0.0:2379" in plain.stdout
+    assert "https://" not in plain.stdout

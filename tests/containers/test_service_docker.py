@@ -1,15 +1,18 @@
 """The REST service's docker launcher with real containers on podman.
 
-etcd runs as a container on a podman network: the service (on the host) reaches it
-at its address there, the members (containers on that network) by its name, which
-`--docker-etcd` gives them in place of the service's own endpoint.
+etcd runs as a container on a podman network, with auth on: the service (on the host,
+as etcd's root) reaches it at its address there, the members (containers on that
+network) by its name, which `--docker-etcd` gives them in place of the service's own
+endpoint, and as their job's etcd user, whose password the launcher mounts.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -23,12 +26,35 @@ import pytest
 from docker.models.containers import Container
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.users import (
+    ROOT,
+    enable_auth,
+    job_user,
+    new_password,
+    provision_job,
+    write_password_file,
+)
+from coordinator.service.auth import GENERATED_TOKEN_FILE, Tokens
 from coordinator.service.launchers import VANISHED, Launch
-from coordinator.service.launchers.docker import MANAGED_LABEL, RUN_LABEL, DockerLauncher
-from coordinator.service.model import JobSpec
+from coordinator.service.launchers.docker import (
+    MANAGED_LABEL,
+    MEMBER_PASSWORD_FILE,
+    MEMBER_UID,
+    RUN_LABEL,
+    DockerLauncher,
+)
+from coordinator.service.model import JobSpec, Member
 from coordinator.worker import EXIT_INTERRUPTED
 from tests.conftest import wait_until
-from tests.containers.harness import LABEL, Images, PodmanService
+from tests.containers.harness import (
+    COORDINATOR_USER,
+    LABEL,
+    Images,
+    PodmanService,
+    assert_least_privilege,
+    assert_writes_only_where_allowed,
+)
 
 pytestmark = pytest.mark.containers
 
@@ -36,9 +62,10 @@ TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 class Cluster:
-    """A test network (labelled, removed afterwards) with an etcd container on it."""
+    """A test network (labelled, removed afterwards) with an etcd container on it, whose
+    auth is on (root's password in a private file of the test's)."""
 
-    def __init__(self, podman: PodmanService, images: Images) -> None:
+    def __init__(self, podman: PodmanService, images: Images, folder: Path) -> None:
         self.client = podman.client
         self.prefix = f"ectest{uuid.uuid4().hex[:8]}"
         self.network = self.client.networks.create(
@@ -58,7 +85,15 @@ class Cluster:
         address = self.etcd.attrs["NetworkSettings"]["Networks"][self.prefix]["IPAddress"]
         self.host_endpoint = f"{address}:2379"  # the host reaches container addresses
         self.container_endpoint = f"{self.etcd_name}:2379"  # containers resolve names
-        Etcd(self.host_endpoint, connect_timeout=30).close()  # up and answering
+        self.root_password = write_password_file(folder / "etcd" / "root", new_password())
+        self.security = EtcdSecurity(user=ROOT, password_file=str(self.root_password))
+        with self.root("") as etcd:  # up and answering, then auth on
+            enable_auth(etcd, self.security.password())
+
+    def root(self, namespace: str) -> Etcd:
+        return Etcd(
+            self.host_endpoint, namespace=namespace, security=self.security, connect_timeout=30
+        )
 
     def job_id(self, kind: str) -> str:
         """A job id of this test's own: its containers are found by it afterwards."""
@@ -79,8 +114,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(podman_service: PodmanService, images: Images) -> Iterator[Cluster]:
-    cluster = Cluster(podman_service, images)
+def cluster(podman_service: PodmanService, images: Images, tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(podman_service, images, tmp_path)
     try:
         yield cluster
     finally:
@@ -106,6 +141,7 @@ class ServiceProc:
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        self.token_file = data / GENERATED_TOKEN_FILE  # serve makes it (auth is never off)
 
         def answers() -> bool:
             if self.process.poll() is not None:
@@ -116,6 +152,8 @@ class ServiceProc:
                 return False
 
         wait_until(answers, 60, "the service to answer")
+        token = Tokens.load(self.token_file).strongest()
+        self.http.headers["Authorization"] = f"Bearer {token}"
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -137,6 +175,36 @@ class ServiceProc:
         self.log.close()
 
 
+def secret_mount(container: Container) -> Path:
+    """The host file mounted as the member's etcd password: read-only, 0400, uid 10001's."""
+    mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
+    mount = mounts[MEMBER_PASSWORD_FILE]
+    assert mount["RW"] is False, container.name
+    source = Path(mount["Source"])
+    status = source.stat()
+    assert (status.st_uid, stat.S_IMODE(status.st_mode)) == (MEMBER_UID, 0o400), container.name
+    return source
+
+
+def assert_hardened(container: Container, memory: int, pids: int) -> None:
+    """What the docker launcher gives a member, as the engine reports it: compose's least
+    privilege (user, read-only root, tmpfs /tmp, no capabilities, no-new-privileges), the
+    limits, and a writable artifacts volume."""
+    container.reload()
+    host, name = container.attrs["HostConfig"], container.name
+    assert container.attrs["Config"]["User"] == COORDINATOR_USER, name
+    assert host["ReadonlyRootfs"] is True, name
+    assert "/tmp" in (host.get("Tmpfs") or {}), name
+    assert not host.get("CapAdd"), name
+    dropped = {cap.removeprefix("CAP_") for cap in host["CapDrop"] or []}
+    assert "ALL" in dropped or {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID"} <= dropped, name
+    assert any(opt.startswith("no-new-privileges") for opt in host["SecurityOpt"] or []), name
+    assert host["PidsLimit"] == pids, name
+    assert host["Memory"] == memory, name
+    mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
+    assert mounts["/artifacts"]["RW"] is True, name
+
+
 @pytest.mark.timeout(1800)  # the first to need the worker image may build it (minutes)
 def test_a_docker_job_runs_its_members_as_containers_on_the_network(
     podman_service: PodmanService, images: Images, cluster: Cluster, tmp_path: Path
@@ -153,6 +221,8 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
             "--max-workers", "4", "--grace", "3", "--member-ttl", "5",
             "--docker-image", image, "--docker-host", podman_service.url,
             "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+            "--docker-memory", "768m", "--docker-pids-limit", "256",
+            "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
         ],
     )  # fmt: skip
     try:
@@ -184,6 +254,16 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
             assert cluster.prefix in container.attrs["NetworkSettings"]["Networks"]
             # It advertised its own address on the job's network.
             assert ipaddress.ip_address(member["address"].rpartition(":")[0]) in subnet
+            assert_hardened(container, memory=768 * 2**20, pids=256)
+            # It connected as its job's user, whose password only it was given, as a file.
+            variables = dict(e.split("=", 1) for e in container.attrs["Config"]["Env"])
+            assert variables["COORDINATOR_ETCD_USER"] == job_user(f"/{cluster.prefix}", job)
+            assert variables["COORDINATOR_ETCD_PASSWORD_FILE"] == MEMBER_PASSWORD_FILE
+            shown = "\n".join([*variables.values(), *container.attrs["Config"]["Cmd"]])
+            assert cluster.security.password() not in shown
+            assert cluster.root_password.name not in shown, "never the service's root"
+        (password_source,) = {secret_mount(c) for c in containers.values()}
+        assert password_source.exists()
 
         logs = service.http.get(f"/v1/jobs/{job}/logs")
         assert logs.status_code == 200
@@ -210,6 +290,9 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
 
         assert launcher.remove(run_id) == 2
         assert cluster.members(run_id) == []
+        # Deleting the job removes what the service's launcher wrote for it.
+        assert service.http.delete(f"/v1/jobs/{job}").status_code in (200, 204)
+        wait_until(lambda: not password_source.exists(), 30, "the password file removed")
         print(f"docker job: {time.monotonic() - started:.1f}s")
     finally:
         service.stop()
@@ -217,14 +300,22 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
 
 @pytest.mark.timeout(300)
 def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containers(
-    podman_service: PodmanService, images: Images, cluster: Cluster
+    podman_service: PodmanService, images: Images, cluster: Cluster, tmp_path: Path
 ) -> None:
-    """The launcher directly: a missing network is created (labelled), SIGTERM ends a
-    member cleanly (130, it says why), output reads from an offset, a removed
-    container is VANISHED, and stopping what is gone is a no-op."""
+    """The launcher directly: a missing network is created (labelled); a running member
+    runs hardened (as the kernel applies it) with its job's password as a read-only
+    file only uid 10001 reads; SIGTERM ends a member cleanly (130, it says why), output
+    reads from an offset, a removed container is VANISHED (its password file gone), and
+    stopping what is gone is a no-op."""
     network = f"{cluster.prefix}-own"
     launcher = DockerLauncher(
-        images.worker, network, podman_service.url, cluster.container_endpoint
+        images.worker,
+        network,
+        podman_service.url,
+        cluster.container_endpoint,
+        memory="512m",
+        pids_limit=128,
+        secrets_dir=tmp_path / "secrets",
     )
     launcher.ensure_network()
     created = podman_service.client.networks.get(network)
@@ -235,7 +326,10 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
         "--job", job, "--world-size", "1", "--etcd", "127.0.0.1:2379",  # replaced
         "--namespace", f"/{cluster.prefix}", "--kind", "noop", "--param", "seconds=600",
     ]  # fmt: skip
-    launch = Launch(f"{job}-run", 1, JobSpec(kind="noop", workers=1), args)
+    with cluster.root(f"/{cluster.prefix}") as root:
+        credentials = provision_job(root, job)
+    spec = JobSpec(kind="noop", workers=1)
+    launch = Launch(f"{job}-run", 1, spec, args, credentials=credentials)
     member = launcher.start(launch, 0)
     assert launcher.start(launch, 0) == member
 
@@ -247,8 +341,29 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
 
     wait_until(holding, 60, "the member past connect")
     assert launcher.exit_code(member) is None, output()
+    container = podman_service.client.containers.get(member.container)
+    assert_hardened(container, memory=512 * 2**20, pids=128)
+    assert_least_privilege(container, COORDINATOR_USER)
+    assert_writes_only_where_allowed(container, ["/tmp", "/artifacts"])
+    code, read = container.exec_run(["cat", MEMBER_PASSWORD_FILE])
+    assert code == 0 and read.decode().strip() == credentials.password
+    code, _ = container.exec_run(["sh", "-c", f"echo x > {MEMBER_PASSWORD_FILE}"])
+    assert code != 0, "the password file is read-only"
+    source = secret_mount(container)
+    assert source == launcher.password_path(launch.run_id)
+    assert stat.S_IMODE(os.stat(source.parent).st_mode) == 0o700
     whole = launcher.output(member, 0)
     assert launcher.output(member, 10) == whole[10:]
+    # A record naming a container the launcher did not make for that index (a forgery)
+    # finds nothing: the bystander etcd and the member itself under another index live on.
+    for forged in (
+        Member(index=0, container=cluster.etcd.id),
+        Member(index=1, container=member.container),
+    ):
+        launcher.kill(forged)
+        assert launcher.exit_code(forged) == VANISHED and launcher.output(forged, 0) == b""
+    cluster.etcd.reload()
+    assert cluster.etcd.status == "running" and launcher.exit_code(member) is None
     launcher.terminate(member)
     code = wait_until(
         lambda: (c := launcher.exit_code(member)) is not None and str(c), 20, "SIGTERM to end it"
@@ -257,6 +372,7 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
     assert "SIGTERM" in output()
     launcher.kill(member)  # exited: nothing to do
     assert launcher.remove(f"{job}-run") == 1
+    assert not source.exists() and not source.parent.exists()
     assert launcher.exit_code(member) == VANISHED
     launcher.terminate(member)
     launcher.kill(member)

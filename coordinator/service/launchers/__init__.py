@@ -18,9 +18,12 @@ including one started by a service process that has since died.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from coordinator.etcd.client import Guard, Put
+from coordinator.etcd.security import ENV
+from coordinator.etcd.users import Credentials
 from coordinator.service.model import JobSpec, Launcher, Member
 
 
@@ -56,6 +59,22 @@ class Launch:
     attempt: int  # 1, 2, ...
     spec: JobSpec
     worker_args: list[str]  # `coordinator worker <worker_args>`, the same for every member
+    # The job's own etcd user (never in `worker_args`: argv is public). None: the members
+    # connect as their launcher does (etcd without auth, or a service that may not make
+    # users).
+    credentials: Credentials | None = None
+
+
+def member_environment(launch: Launch, password_file: Path | str) -> dict[str, str]:
+    """The variables that make a member connect as its job's etcd user, replacing the
+    launcher's own: the user and the file its launcher wrote the password to (empty
+    without credentials: the member inherits its launcher's settings)."""
+    if launch.credentials is None:
+        return {}
+    return {
+        ENV["user"]: launch.credentials.user,
+        ENV["password_file"]: str(Path(password_file).absolute()),
+    }
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,11 @@ An agent starts what is assigned to it at once, so `start` has nothing left to
 do. The member's state is its agent's report; an agent that dies takes its
 assignments and reports with its lease, and its members read as `VANISHED`
 (they die with it). Stopping a member writes `stop` into its assignment, and
-its output comes from its agent over HTTP.
+its output comes from its agent over HTTP, with the bearer token of the agent's
+registration. Registrations and reports are validated (`agent_keys`): an
+agent's address is used only from a live (leased) registration that parses.
+The job's etcd credentials travel in the assignment, which only its agent (and
+the service) may read.
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ import logging
 from collections import Counter
 
 import httpx
+from pydantic import ValidationError
 
 from coordinator.etcd.client import CreatedAt, Etcd, EtcdError, Get, KeyValue, Put, QuietSince
 from coordinator.service.agent_keys import (
+    AgentRecord,
+    Report,
     agent_key,
     assignment_key,
     assignments_prefix,
     member_name,
     report_key,
+    reports_prefix,
 )
 from coordinator.service.launchers import VANISHED, Launch, Reservation
 from coordinator.service.model import JobSpec, Member
@@ -42,7 +50,8 @@ class AgentsLauncher:
     def __init__(self, etcd: Etcd) -> None:
         self.etcd = etcd
         self._http = httpx.Client(timeout=3.0)
-        self._addresses: dict[str, str] = {}  # agent id -> its output server, as last read
+        # agent id -> its output server and token, as last read
+        self._addresses: dict[str, tuple[str, str]] = {}
 
     # -- placing ----------------------------------------------------------------
 
@@ -53,11 +62,14 @@ class AgentsLauncher:
         assigned, revision = self.etcd.get_prefix(assignments_prefix(self.etcd), keys_only=True)
         start = len(assignments_prefix(self.etcd))
         used = Counter(kv.key[start:].partition("/")[0] for kv in assigned)
-        kvs = {kv.key.rpartition("/")[2]: kv for kv in registered}
+        kvs = {}
         rooms = []
-        for agent_id, kv in kvs.items():
-            record = json.loads(kv.value)
-            rooms.append(AgentRoom(agent_id, record["slots"], used[agent_id], record["labels"]))
+        for kv in registered:
+            agent_id = kv.key.rpartition("/")[2]
+            record = _registration(kv)
+            if record is not None:
+                kvs[agent_id] = kv
+                rooms.append(AgentRoom(agent_id, record.slots, used[agent_id], record.labels))
         return rooms, kvs, revision
 
     def never_fits(self, spec: JobSpec) -> str | None:
@@ -87,6 +99,11 @@ class AgentsLauncher:
                 "index": index,
                 "worker_args": launch.worker_args,
             }
+            if launch.credentials is not None:  # the assignment is readable by its agent only
+                assignment["credentials"] = {
+                    "user": launch.credentials.user,
+                    "password": launch.credentials.password,
+                }
             key = assignment_key(self.etcd, agent_id, name)
             puts.append(Put(key, json.dumps(assignment), registrations[agent_id].lease))
             members.append(Member(index=index, assignment=f"{agent_id}/{name}"))
@@ -113,18 +130,26 @@ class AgentsLauncher:
         agent_id, name = _parts(member)
         try:
             result = self.etcd.transaction(
-                [Get(report_key(self.etcd, name)), Get(assignment_key(self.etcd, agent_id, name))]
+                [
+                    Get(report_key(self.etcd, agent_id, name)),
+                    Get(assignment_key(self.etcd, agent_id, name)),
+                ]
             )
         except EtcdError as exc:
             log.warning("member %s: %s", name, exc)
             return None  # asked again next tick
         report, assignment = result.reads
         if report is not None:
-            state = json.loads(report.value)
-            if state["state"] != "exited":
+            try:
+                state = Report.model_validate_json(report.value)
+            except ValidationError as exc:
+                log.warning("member %s: a report that does not parse (%s)", name, exc)
+                return VANISHED
+            if state.state == "running":
                 return None
-            code = state.get("exit_code")
-            return VANISHED if code is None else int(code)
+            if state.state == "refused":
+                log.warning("member %s: %s", name, state.reason)
+            return VANISHED if state.exit_code is None else state.exit_code
         return None if assignment is not None else VANISHED  # assigned, not yet started
 
     def terminate(self, member: Member) -> None:
@@ -153,28 +178,50 @@ class AgentsLauncher:
     def output(self, member: Member, offset: int) -> bytes:
         agent_id, name = _parts(member)
         try:
-            address = self._addresses.get(agent_id) or self._address(agent_id)
-            if address is None:
+            found = self._addresses.get(agent_id) or self._address(agent_id)
+            if found is None:
                 return b""  # the agent is gone, and its member's output with it
+            address, token = found
             url = f"http://{address}/members/{name}/output"
-            response = self._http.get(url, params={"offset": offset})
+            headers = {"Authorization": f"Bearer {token}"}
+            response = self._http.get(url, params={"offset": offset}, headers=headers)
+            if response.status_code == 401:
+                self._addresses.pop(agent_id, None)  # a new registration: read it again
             return response.content if response.status_code == 200 else b""
         except (EtcdError, httpx.HTTPError) as exc:
             self._addresses.pop(agent_id, None)  # read again: it may have moved
             log.warning("output of %s: %s", name, exc)
             return b""
 
-    def _address(self, agent_id: str) -> str | None:
+    def _address(self, agent_id: str) -> tuple[str, str] | None:
+        """The agent's output server and its token, from its live registration only."""
         kv = self.etcd.get(agent_key(self.etcd, agent_id))
-        if kv is None:
+        record = _registration(kv) if kv is not None else None
+        if record is None:
             return None
-        address: str = json.loads(kv.value)["address"]
-        self._addresses[agent_id] = address
-        return address
+        self._addresses[agent_id] = (record.address, record.token)
+        return record.address, record.token
 
     def remove(self, run_id: str) -> int:
         """Forget the submission's member reports (the agents keep their output files)."""
-        return self.etcd.delete_prefix(report_key(self.etcd, f"{run_id}-a"))
+        reports, _ = self.etcd.get_prefix(reports_prefix(self.etcd), keys_only=True)
+        removed = 0
+        for kv in reports:
+            if kv.key.rpartition("/")[2].startswith(f"{run_id}-a"):
+                removed += self.etcd.delete(kv.key)
+        return removed
+
+
+def _registration(kv: KeyValue) -> AgentRecord | None:
+    """An agent's registration, if it is live (bound to a lease) and parses."""
+    if not kv.lease:
+        log.warning("agent key %s is not bound to a lease: ignored", kv.key)
+        return None
+    try:
+        return AgentRecord.model_validate_json(kv.value)
+    except ValidationError as exc:
+        log.warning("agent key %s does not parse: ignored (%s)", kv.key, exc)
+        return None
 
 
 def _parts(member: Member) -> tuple[str, str]:

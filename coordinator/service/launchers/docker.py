@@ -17,6 +17,17 @@ replaces the value of `--etcd` in the worker arguments by `container_etcd`
 same network), and refuses loopback endpoints: the service's embedded etcd
 listens on loopback only, so docker jobs need an etcd of their own (`--etcd`).
 
+Every member container runs with the least privilege compose gives its containers
+(`member_hardening`): the image's non-root user 10001, a read-only root filesystem
+(writable: a tmpfs at /tmp and the artifacts volume at /artifacts), no capabilities,
+no-new-privileges, and a limit on its processes and its memory (`--docker-pids-limit`,
+`--docker-memory`). Of the service's etcd settings a member gets only the TLS files
+(CA, client certificate), not the service's own user: its per-job etcd user
+(`Launch.credentials`) reaches it as a password file the launcher writes for the
+submission (readable by uid 10001, in a private folder), mounted read-only at
+`MEMBER_PASSWORD_FILE`. Only a job without a user of its own (an etcd without auth, a
+service that may not make users) gets the service's settings, as local members do.
+
 Containers are kept after they exit: their exit code and output are what the
 job record and `GET .../logs` read, for as long as the record lives. `remove(run_id)`
 deletes a submission's containers when its record is deleted (`DELETE /v1/jobs/{id}`);
@@ -30,7 +41,13 @@ tick. `start` raises, and the reconciler fails the attempt naming why.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
+import tempfile
 import threading
+from pathlib import Path
+from typing import Any
 
 import docker
 import requests
@@ -39,7 +56,14 @@ from docker.models.containers import Container
 
 from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.rendezvous.address import endpoint_host, is_loopback
-from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation, with_etcd
+from coordinator.service.launchers import (
+    NOTHING,
+    VANISHED,
+    Launch,
+    Reservation,
+    member_environment,
+    with_etcd,
+)
 from coordinator.service.model import Member
 
 log = logging.getLogger(__name__)
@@ -50,6 +74,43 @@ ATTEMPT_LABEL = f"{LABEL_PREFIX}.attempt"
 INDEX_LABEL = f"{LABEL_PREFIX}.index"
 MANAGED_LABEL = f"{LABEL_PREFIX}.managed"  # on the networks this launcher created
 ENGINE_ERRORS = (DockerException, requests.RequestException)
+
+#: The image's user (worker_image/Dockerfile), as compose runs it.
+MEMBER_USER = "10001:10001"
+MEMBER_UID = 10001
+#: Where a member finds its per-job etcd password (a read-only bind mount).
+MEMBER_PASSWORD_FILE = "/run/secrets/etcd-password"
+#: The artifacts volume (a named volume, or an absolute host path) mounted at /artifacts.
+DEFAULT_ARTIFACTS = "etcd-coordinator-artifacts"
+DEFAULT_MEMORY = "2g"  # mnist with PyTorch, the largest job, stays well under it
+DEFAULT_PIDS_LIMIT = 1024  # threads count: PyTorch and gRPC start dozens per process
+
+
+_MEMORY = re.compile(r"^[1-9][0-9]*[bkmg]?$", re.IGNORECASE)
+
+
+def check_limits(memory: str, pids_limit: int) -> None:
+    """Refuse limits the engine would take badly, naming the option."""
+    if not _MEMORY.match(memory):
+        raise ValueError(f"--docker-memory {memory!r}: expected a size such as 2g or 512m")
+    if pids_limit < 1:
+        raise ValueError(f"--docker-pids-limit {pids_limit}: must be at least 1")
+
+
+def member_hardening(memory: str, pids_limit: int, artifacts: str) -> dict[str, Any]:
+    """The docker SDK settings of a member container: the least privilege compose gives
+    its containers (docs/compose.md), and limits on its processes and memory."""
+    return {
+        "user": MEMBER_USER,
+        "read_only": True,
+        "tmpfs": {"/tmp": "rw,nosuid,nodev"},
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "pids_limit": pids_limit,
+        "mem_limit": memory,
+        "memswap_limit": memory,  # no swap beyond the memory limit
+        "volumes": {artifacts: {"bind": "/artifacts", "mode": "rw"}},
+    }
 
 
 def container_endpoints(service_etcd: str, seen_from_containers: str | None) -> str:
@@ -74,13 +135,25 @@ class DockerLauncher:
         base_url: str | None,
         container_etcd: str,
         api_timeout: int = 60,
+        *,
+        memory: str = DEFAULT_MEMORY,
+        pids_limit: int = DEFAULT_PIDS_LIMIT,
+        artifacts: str = DEFAULT_ARTIFACTS,
+        secrets_dir: Path | None = None,
     ) -> None:
         """`base_url` None: the engine from the environment (DOCKER_HOST, else the default
         socket). Nothing connects here: the service starts (and runs its local jobs) while
-        the engine is away; a docker job then fails, naming why."""
+        the engine is away; a docker job then fails, naming why.
+
+        `memory` and `pids_limit` bound each member container; `artifacts` is the volume
+        (or absolute host path) at its /artifacts; `secrets_dir` holds the members'
+        password files (a private temporary folder when None)."""
+        check_limits(memory, pids_limit)
         self.image, self.network_name, self.base_url = image, network, base_url
         self.container_etcd = container_endpoints(container_etcd, None)
         self.api_timeout = api_timeout  # seconds, per request to the engine
+        self.hardening = member_hardening(memory, pids_limit, artifacts)
+        self.secrets_dir = _private_dir(secrets_dir)
         # One client per thread (the reconciler's, the API's workers): a client's HTTP
         # session is not meant to be shared across threads.
         self._local = threading.local()
@@ -149,7 +222,10 @@ class DockerLauncher:
     ) -> Container:
         """Create and start the member (the image's entrypoint is `coordinator`)."""
         run_id, attempt = launch.run_id, launch.attempt
-        environment, files = _etcd_security()
+        settings = dict(self.hardening)
+        environment, files = _etcd_settings(own_user=launch.credentials is None)
+        environment.update(self._credentials(launch, files))
+        settings["volumes"] = {**settings["volumes"], **files}
         return client.containers.run(
             self.image,
             ["worker", *with_etcd(launch.worker_args, self.container_etcd)],
@@ -157,13 +233,31 @@ class DockerLauncher:
             detach=True,
             network=self.network_name,
             labels={RUN_LABEL: run_id, ATTEMPT_LABEL: str(attempt), INDEX_LABEL: str(index)},
-            environment={"PYTHONUNBUFFERED": "1", **environment},
-            volumes=files,
+            # The root filesystem is read-only: no bytecode next to the packages.
+            environment={"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", **environment},
+            **settings,
         )
+
+    def _credentials(self, launch: Launch, files: dict[str, dict[str, str]]) -> dict[str, str]:
+        """The member's per-job etcd user: its password written to a file of the
+        submission's own, mounted read-only (added to `files`); the variables naming them.
+        Nothing without credentials (an etcd without auth)."""
+        if launch.credentials is None:
+            return {}
+        path = self.password_path(launch.run_id)
+        _write_private(path, launch.credentials.password, MEMBER_UID)
+        files[str(path)] = {"bind": MEMBER_PASSWORD_FILE, "mode": "ro"}
+        return member_environment(launch, MEMBER_PASSWORD_FILE)
+
+    def password_path(self, run_id: str) -> Path:
+        """Where the members of submission `run_id` get their etcd password from."""
+        if not run_id or "/" in run_id or run_id.startswith("."):
+            raise ValueError(f"run id {run_id!r} cannot name a folder")
+        return self.secrets_dir / run_id / "etcd-password"
 
     def exit_code(self, member: Member) -> int | None:
         try:
-            container = self.client().containers.get(self._id(member))
+            container = self._get(member)
         except NotFound:
             return VANISHED
         except ENGINE_ERRORS as exc:
@@ -185,7 +279,7 @@ class DockerLauncher:
     def output(self, member: Member, offset: int) -> bytes:
         """The engine keeps the output; it reads it whole (no byte offsets in its API)."""
         try:
-            container = self.client().containers.get(self._id(member))
+            container = self._get(member)
             return container.logs(stdout=True, stderr=True)[offset:]
         except ENGINE_ERRORS as exc:
             if not isinstance(exc, NotFound):
@@ -202,11 +296,12 @@ class DockerLauncher:
                 removed += 1
             except NotFound:
                 pass  # removed meanwhile
+        shutil.rmtree(self.password_path(run_id).parent, ignore_errors=True)
         return removed
 
     def _signal(self, member: Member, signal: str) -> None:
         try:
-            container = self.client().containers.get(self._id(member))
+            container = self._get(member)
             if container.status in ("running", "paused"):
                 container.kill(signal=signal)
             elif container.status == "created" and signal == "SIGKILL":
@@ -216,10 +311,16 @@ class DockerLauncher:
         except ENGINE_ERRORS as exc:  # it exited meanwhile, or the engine is away
             log.warning("container %s: %s %s", member.container, signal, exc)
 
-    @staticmethod
-    def _id(member: Member) -> str:
+    def _get(self, member: Member) -> Container:
+        """The member's container, only if this launcher made it for that index: a record
+        naming any other container (a forged id) finds nothing, so it is never signalled
+        or read. Raises NotFound otherwise."""
         assert member.container is not None
-        return member.container
+        container = self.client().containers.get(member.container)
+        labels = container.labels or {}
+        if RUN_LABEL not in labels or labels.get(INDEX_LABEL) != str(member.index):
+            raise NotFound(f"container {member.container} is not a member of ours")
+        return container
 
     @staticmethod
     def _find(client: docker.DockerClient, name: str) -> Container | None:
@@ -229,16 +330,49 @@ class DockerLauncher:
             return None
 
 
-def _etcd_security() -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """The service's etcd TLS and auth settings for a member container: the variables,
-    and each file mounted read-only at the same path (uid 10001 must be able to read it)."""
+def _etcd_settings(own_user: bool) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """The service's etcd settings for a member container: the variables, and each file
+    mounted read-only at the same path (uid 10001 must be able to read it). The TLS files
+    always; the service's own user and password file only with `own_user`, when the job
+    has no user of its own (an etcd without auth has none to pass, and a service that may
+    not make users lends its own, as the local launcher does)."""
     security = EtcdSecurity.from_env()
     environment: dict[str, str] = {}
     files: dict[str, dict[str, str]] = {}
-    for name, variable in ENV.items():
+    for name in ENV if own_user else ("ca", "cert", "key"):
         value = getattr(security, name)
         if value:
-            environment[variable] = value
+            environment[ENV[name]] = value
             if name != "user":
                 files[value] = {"bind": value, "mode": "ro"}
     return environment, files
+
+
+def _private_dir(path: Path | None) -> Path:
+    """`path` (made 0700 if missing), or a new private temporary folder."""
+    if path is None:
+        return Path(tempfile.mkdtemp(prefix="coordinator-docker-secrets-"))
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def _write_private(path: Path, content: str, reader_uid: int) -> None:
+    """Write `content` to `path` for uid `reader_uid` only: 0400 and owned by it where
+    the service may change owners (root), else 0444 inside a 0700 folder of the
+    service's (the container's only user can read it, nobody else on the host)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(content + "\n")
+        if os.geteuid() == 0:
+            os.chown(temporary, reader_uid, reader_uid)
+            temporary.chmod(0o400)
+        else:
+            temporary.chmod(0o444)
+        temporary.replace(path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

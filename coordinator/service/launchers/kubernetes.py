@@ -3,13 +3,18 @@
 Each attempt of a job is ONE Indexed Job (`completions = parallelism = N`,
 `backoffLimit: 0`, `restartPolicy: Never`), built by the same function that renders
 `coordinator k8s` manifests (`coordinator.deploy.k8s.worker_job`, from the Job of
-`k8s/workers.yaml`). Kubernetes numbers its pods 0..N-1: member `index` is the pod
+`k8s/job.yaml`). Kubernetes numbers its pods 0..N-1: member `index` is the pod
 with that completion index. `start` creates the Job on the first index it is asked
 for (409 AlreadyExists: another replica or a predecessor created it, which is as
 good) and returns `Member(container="<namespace>/<job name>/<index>")`, which finds
 the pod again from any replica. The pods run `coordinator worker <worker_args>` (the
 image's entrypoint is `coordinator`), with the etcd endpoints replaced by those the
 pods reach (`etcd`, e.g. `etcd:2379`).
+
+The job's etcd user (`Launch.credentials`) reaches its pods through a Secret
+`<job name>-etcd` (keys `user`, `password`) that `start` creates right after the Job,
+with the Job as its owner, so Kubernetes deletes it with the Job; the pods mount it
+(kubelet waits for it to exist). The password is never in the Job, argv or a log.
 
 The pods' states come from one watch on the pods this launcher created (label
 `etcd-coordinator/launcher=kubernetes`), kept in memory by a thread: a member's exit
@@ -183,7 +188,7 @@ class KubernetesLauncher:
 
         `api_client` None: the in-cluster configuration (the pod's service account),
         else the kubeconfig (KUBECONFIG or ~/.kube/config). `manifests`: the folder of
-        the Job template (`workers.yaml`), else $COORDINATOR_MANIFESTS, else the
+        the Job template (`job.yaml`), else $COORDINATOR_MANIFESTS, else the
         repository's `k8s/`. `grace_seconds`: the pods' grace from SIGTERM to SIGKILL
         (the service's `--grace`). Bad values and a missing template raise here, so
         the service refuses to start instead of failing every job; nothing connects
@@ -234,6 +239,7 @@ class KubernetesLauncher:
             },
             annotations={RUN_ANNOTATION: launch.run_id},
             grace_seconds=self.grace_seconds,
+            credentials=launch.credentials is not None,
         )
         body["metadata"]["namespace"] = self.namespace
         return body
@@ -251,32 +257,80 @@ class KubernetesLauncher:
         with self._lock:
             known = name in self._created
         if not known:
-            body = self.job(launch)
-            try:
-                self._batch.create_namespaced_job(
-                    self.namespace,
-                    body,
-                    field_validation="Strict",  # an unknown field fails, not dropped
-                    # Said outright: this client version sends none for a create, which the
-                    # API server takes as JSON, but a proxy in between may not.
-                    _headers={"Content-Type": "application/json"},
-                    _preload_content=False,
-                    _request_timeout=self.request_timeout,
-                )
-            except ApiException as exc:
-                if exc.status != 409:  # 409 AlreadyExists: created before, by us or a peer
-                    raise RuntimeError(
-                        f"could not create Kubernetes Job {name} in namespace "
-                        f"{self.namespace}: {_api_message(exc)}"
-                    ) from None
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                raise RuntimeError(
-                    f"could not create Kubernetes Job {name} in namespace {self.namespace}: "
-                    f"the API at {self.api_client.configuration.host} did not answer ({exc})"
-                ) from None
+            created = self._create_job(name, self.job(launch))
+            if launch.credentials is not None:
+                self._create_credentials(launch, created)
             with self._lock:
                 self._created.add(name)
         return Member(index=index, container=f"{self.namespace}/{name}/{index}")
+
+    def _create_job(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST the Job; the Job as the API has it (read back if it existed: 409)."""
+        what = f"Kubernetes Job {name} in namespace {self.namespace}"
+        try:
+            response = self._batch.create_namespaced_job(
+                self.namespace,
+                body,
+                field_validation="Strict",  # an unknown field fails, not dropped
+                # Said outright: this client version sends none for a create, which the
+                # API server takes as JSON, but a proxy in between may not.
+                _headers={"Content-Type": "application/json"},
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+            )
+            return dict(json.loads(response.data))
+        except ApiException as exc:
+            if exc.status != 409:  # 409 AlreadyExists: created before, by us or a peer
+                raise RuntimeError(f"could not create {what}: {_api_message(exc)}") from None
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            raise RuntimeError(f"could not create {what}: {self._no_answer(exc)}") from None
+        try:  # its uid, for the Secret's owner reference
+            response = self._batch.read_namespaced_job(
+                name, self.namespace, _preload_content=False, _request_timeout=self.request_timeout
+            )
+            return dict(json.loads(response.data))
+        except ApiException as exc:
+            raise RuntimeError(f"could not read {what}: {_api_message(exc)}") from None
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            raise RuntimeError(f"could not read {what}: {self._no_answer(exc)}") from None
+
+    def _create_credentials(self, launch: Launch, job: dict[str, Any]) -> None:
+        """The Secret of the job's etcd user, owned by `job`; replaced if it exists (an
+        attempt started before, by us or a peer: the credentials stored for the job)."""
+        assert launch.credentials is not None
+        name = k8s.credentials_secret(job_name(launch.run_id, launch.attempt))
+        body = k8s.credentials_secret_body(
+            name,
+            launch.credentials.user,
+            launch.credentials.password,
+            owner=job,
+            labels={
+                LAUNCHER_LABEL: "kubernetes",
+                RUN_LABEL: run_label(launch.run_id),
+                ATTEMPT_LABEL: str(launch.attempt),
+            },
+        )
+        what = f"Kubernetes Secret {name} in namespace {self.namespace}"
+        options: dict[str, Any] = {
+            "field_validation": "Strict",
+            "_headers": {"Content-Type": "application/json"},
+            "_preload_content": False,
+            "_request_timeout": self.request_timeout,
+        }
+        try:
+            try:
+                self._core.create_namespaced_secret(self.namespace, body, **options)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                self._core.replace_namespaced_secret(name, self.namespace, body, **options)
+        except ApiException as exc:  # (its message names the Secret, never its data)
+            raise RuntimeError(f"could not create {what}: {_api_message(exc)}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise RuntimeError(f"could not create {what}: {self._no_answer(exc)}") from None
+
+    def _no_answer(self, exc: Exception) -> str:
+        return f"the API at {self.api_client.configuration.host} did not answer ({exc})"
 
     # -- following --------------------------------------------------------------
 

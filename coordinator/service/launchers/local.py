@@ -5,8 +5,14 @@ stdout and stderr appended to one log file
 (`<logs>/<job>-<uid>/attempt-<n>/member-<i>.log`), so it outlives the service that
 started it and writes to nothing that dies with it (a pipe would). A pidfile
 beside the log, written at once, makes `start` idempotent and lets a restarted
-service find a member its predecessor started but never recorded. A pid is
-trusted only with its start time, so a reused pid is never taken for a member.
+service find a member its predecessor started but never recorded.
+
+Nothing a job record says is taken on trust. Its member's files are found from
+the record's validated run id, attempt and index, under the logs folder (checked
+with `..` and links resolved), never from a path it names. A pid is signalled
+only when the pidfile `start` wrote for that member names the same pid and start
+time, and the process with that pid started then: a record cannot point the
+launcher at any other process, and a reused pid is never taken for a member.
 """
 
 from __future__ import annotations
@@ -14,16 +20,32 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import psutil
 
-from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation
+from coordinator.etcd.users import write_password_file
+from coordinator.service.launchers import (
+    NOTHING,
+    VANISHED,
+    Launch,
+    Reservation,
+    member_environment,
+)
 from coordinator.service.model import Member
+
+START_TOLERANCE = 0.05  # seconds: psutil's create_time counts clock ticks (10 ms)
+MAX_ATTEMPT = 999
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # one path part, never ..
+_LOG_PATH = re.compile(
+    r"(?P<run>[^/]+)/attempt-(?P<attempt>[0-9]{1,3})/member-(?P<index>[0-9]{1,4})\.log"
+)
 
 # Run first in a member that must die with its parent: asks the kernel for SIGKILL when
 # the thread that started it ends (prctl PR_SET_PDEATHSIG = 1, kept across exec), leaves
@@ -39,26 +61,38 @@ _DIE_WITH_PARENT = (
 
 
 class LocalLauncher:
-    def __init__(self, logs: Path, die_with_parent: bool = False) -> None:
+    def __init__(
+        self, logs: Path, die_with_parent: bool = False, workdir: Path | None = None
+    ) -> None:
         """`die_with_parent`: members are killed when the thread that started them ends
-        (an agent's members die with it); the service's members outlive it instead."""
+        (an agent's members die with it); the service's members outlive it instead.
+        `workdir`: where members run [ours] (an agent's data dir: relative paths stay in it)."""
         self.logs = logs
         self.die_with_parent = die_with_parent
+        self.workdir = workdir
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
 
     def folder(self, run_id: str, attempt: int) -> Path:
-        return self.logs / run_id / f"attempt-{attempt}"
+        """Where attempt `attempt` of `run_id` keeps its members' output and pidfiles; a run
+        id or attempt that could name a folder anywhere else is refused (ValueError)."""
+        if not _FOLDER_NAME.fullmatch(run_id) or not 1 <= attempt <= MAX_ATTEMPT:
+            raise ValueError(f"run id {run_id!r}, attempt {attempt}: not a member folder")
+        return self._within(self.logs / run_id / f"attempt-{attempt}")
 
     def reserve(self, launch: Launch) -> Reservation:
         return NOTHING  # the service's --max-workers is the limit
 
     def start(self, launch: Launch, index: int) -> Member:
         folder = self.folder(launch.run_id, launch.attempt)
-        folder.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         pidfile = folder / f"member-{index}.pid"
         log = folder / f"member-{index}.log"
         if pidfile.exists():  # started before: never start it twice
             return Member(index=index, log=str(log), **json.loads(pidfile.read_text()))
+        password_file = folder / f"member-{index}.password"
+        if launch.credentials is not None:  # the job's etcd user, for this member only
+            write_password_file(password_file, launch.credentials.password)
         with open(log, "ab") as output:
             command = [sys.executable, "-m", "coordinator", "worker", *launch.worker_args]
             if self.die_with_parent:
@@ -70,7 +104,13 @@ class LocalLauncher:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, and no terminal signals
                 # Port 0: members on one host must not share the image's fixed port.
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "COORDINATOR_PORT": "0"},
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "COORDINATOR_PORT": "0",
+                    **member_environment(launch, password_file),
+                },
+                cwd=self.workdir,
             )
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
@@ -80,16 +120,19 @@ class LocalLauncher:
         return Member(index=index, log=str(log), **identity)
 
     def exit_code(self, member: Member) -> int | None:
-        assert member.pid is not None
-        child = self._children.get(member.pid)
-        if child is not None:
-            code = child.poll()
-            if code is None:
+        """None while the member runs; then its exit status if it was our child, else the
+        code its last event gave (`VANISHED` when none did). A member this launcher cannot
+        vouch for (see `_vouched`) is never taken for running: it reads as ended."""
+        if member.pid is not None and self._vouched(member):
+            child = self._children.get(member.pid)
+            if child is not None:
+                code = child.poll()
+                if code is None:
+                    return None
+                del self._children[member.pid]
+                return 128 - code if code < 0 else code  # killed by signal n: 128 + n
+            if self._running(member):
                 return None
-            del self._children[member.pid]
-            return 128 - code if code < 0 else code  # killed by signal n: 128 + n, as shells say
-        if self._alive(member):
-            return None
         return _last_word(self.output(member, 0))
 
     def terminate(self, member: Member) -> None:
@@ -99,35 +142,111 @@ class LocalLauncher:
         self._signal(member, signal.SIGKILL)
 
     def output(self, member: Member, offset: int) -> bytes:
-        if member.log is None:
+        files = self._files(member)
+        if files is None:
             return b""
         try:
-            with open(member.log, "rb") as log:
-                log.seek(offset)
+            with open(self._within(files.log), "rb") as log:
+                log.seek(max(0, offset))
                 return log.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):
             return b""
 
     def remove(self, run_id: str) -> int:
-        folder = self.logs / run_id
+        """Delete the submission's folder (its members' logs and pidfiles); how many logs
+        it held. A run id that names no folder under the logs folder is refused
+        (ValueError): nothing outside it is ever removed."""
+        if not _FOLDER_NAME.fullmatch(run_id):
+            raise ValueError(f"run id {run_id!r} cannot name a folder")
+        folder = self._within(self.logs / run_id)
         logs = len(list(folder.glob("*/member-*.log")))
         shutil.rmtree(folder, ignore_errors=True)
         return logs
 
-    def _signal(self, member: Member, signum: int) -> None:
-        if member.pid is not None and self._alive(member):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(member.pid, signum)
+    # -- which process is the member's --------------------------------------------------
 
-    def _alive(self, member: Member) -> bool:
-        """The member's own process still runs (not a reused pid, not a zombie)."""
-        assert member.pid is not None
+    def _signal(self, member: Member, signum: int) -> None:
+        """Signal the member's process group, only if its process is the one this launcher
+        started for that member and it still runs."""
+        pid = member.pid
+        if pid is None or not self._vouched(member) or not self._running(member):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:  # the leader of the session `start` gave it
+                os.killpg(pid, signum)
+
+    def _vouched(self, member: Member) -> bool:
+        """The record's pid and start time are the ones `start` wrote into the member's
+        pidfile: a record cannot point this launcher at any other process."""
+        files = self._files(member)
+        if files is None:
+            return False
+        try:
+            written = json.loads(self._within(files.pidfile).read_text())
+        except (OSError, ValueError):
+            return False
+        return same_identity(member, written)
+
+    def _running(self, member: Member) -> bool:
+        """The process with the member's pid started when the member did and has not
+        ended (a reused pid, an unknown start time or a zombie: not running)."""
+        if member.pid is None or member.started is None:
+            return False
         try:
             process = psutil.Process(member.pid)
-            same = member.started is None or abs(process.create_time() - member.started) < 0.05
-            return same and process.status() != psutil.STATUS_ZOMBIE
+            return started_together(process.create_time(), member.started) and (
+                process.status() != psutil.STATUS_ZOMBIE
+            )
         except psutil.NoSuchProcess:
             return False
+
+    def _files(self, member: Member) -> MemberFiles | None:
+        """The member's log and pidfile, derived from the run id, attempt and index of
+        its record (`Member.log`: relative to the logs folder, or as `start` returned it)
+        and the member's own index; None when that names no member folder of ours."""
+        if member.log is None:
+            return None
+        where = member.log
+        root = f"{self.logs}{os.sep}"
+        if where.startswith(root):
+            where = where[len(root) :]
+        match = _LOG_PATH.fullmatch(where)
+        if match is None or int(match["index"]) != member.index:
+            return None
+        try:
+            folder = self.folder(match["run"], int(match["attempt"]))
+        except ValueError:
+            return None
+        name = f"member-{member.index}"
+        return MemberFiles(folder / f"{name}.log", folder / f"{name}.pid")
+
+    def _within(self, path: Path) -> Path:
+        """`path`, if it lies under the logs folder once `..` and links are resolved;
+        else ValueError."""
+        root = self.logs.resolve()
+        resolved = path.resolve()
+        if resolved == root or not resolved.is_relative_to(root):
+            raise ValueError(f"{path} is not under {self.logs}")
+        return path
+
+
+class MemberFiles(NamedTuple):
+    log: Path
+    pidfile: Path
+
+
+def same_identity(member: Member, written: Any) -> bool:
+    """`written` (a pidfile's content) names the member's pid and start time."""
+    return (
+        isinstance(written, dict)
+        and written.get("pid") == member.pid
+        and written.get("started") == member.started
+    )
+
+
+def started_together(create_time: float, started: float) -> bool:
+    """A process created at `create_time` is the one recorded as started at `started`."""
+    return abs(create_time - started) < START_TOLERANCE
 
 
 def _start_time(pid: int) -> float | None:

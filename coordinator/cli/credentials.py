@@ -1,0 +1,140 @@
+"""`coordinator credentials`: etcd users of least privilege, made by an operator as root.
+
+An agent's user may touch its registration, its assignments and its reports, and
+nothing of any job or other agent. Root's settings come from the data dir of a
+`coordinator serve` with its own etcd (`--data-dir`), or from the `--etcd-*` options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from coordinator.cli.options import (
+    EtcdCaOption,
+    EtcdCertOption,
+    EtcdKeyOption,
+    EtcdOption,
+    EtcdPasswordFileOption,
+    EtcdUserOption,
+    NamespaceOption,
+    console,
+    etcd_security,
+)
+from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.users import (
+    CannotManageUsers,
+    provision_agent,
+    revoke_agent,
+    write_password_file,
+)
+
+app = typer.Typer(
+    help="etcd users of least privilege (for agents); made with etcd's root user.",
+    no_args_is_help=True,
+)
+
+AgentId = Annotated[str, typer.Argument(help="the agent's id (its --id)")]
+DataDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="COORDINATOR_DATA",
+        help="data dir of a `coordinator serve` with its own etcd: root's settings are there",
+        show_default=False,
+    ),
+]
+
+
+def _root(
+    data_dir: Path | None,
+    etcd: str | None,
+    namespace: str,
+    settings: tuple[str | None, str | None, str | None, str | None, str | None],
+) -> Etcd:
+    """A client as etcd's root (exit 2 naming a bad option, 3 when etcd refuses or is away)."""
+    from coordinator.service.embedded import find_service_etcd
+
+    if data_dir is not None:
+        if etcd:
+            raise typer.BadParameter("give --data-dir or --etcd, not both", param_hint="--etcd")
+        try:
+            endpoint, security = find_service_etcd(data_dir.absolute())
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
+    else:
+        endpoint = etcd or "127.0.0.1:2379"
+        security = etcd_security(endpoint, *settings)
+    try:
+        return Etcd(endpoint, namespace=namespace, security=security)
+    except EtcdError as exc:
+        console.print(f"[red]cannot reach etcd: {exc}[/red]")
+        raise typer.Exit(3) from None
+
+
+def agent(
+    agent_id: AgentId,
+    out: Annotated[Path, typer.Option(help="file to write the password to (made 0600)")],
+    data_dir: DataDirOption = None,
+    etcd: EtcdOption = None,
+    namespace: NamespaceOption = "/coordinator",
+    etcd_ca: EtcdCaOption = None,
+    etcd_cert: EtcdCertOption = None,
+    etcd_key: EtcdKeyOption = None,
+    etcd_user: EtcdUserOption = None,
+    etcd_password_file: EtcdPasswordFileOption = None,
+) -> None:
+    """Make (or renew the password of) an agent's etcd user; prints the user's name.
+
+    Then: `coordinator agent --id ID --etcd-user USER --etcd-password-file FILE`.
+    """
+    settings = (etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
+    with _root(data_dir, etcd, namespace, settings) as client:
+        try:
+            if not client.auth_enabled():
+                console.print("[yellow]etcd has auth off: the user exists, unchecked[/yellow]")
+            credentials = provision_agent(client, agent_id)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="ID") from None
+        except CannotManageUsers as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(3) from None
+        except EtcdError as exc:
+            console.print(f"[red]etcd refused: {exc}[/red]")
+            raise typer.Exit(3) from None
+    write_password_file(out.absolute(), credentials.password)
+    console.print(
+        f"agent {agent_id}: etcd user {credentials.user!r}, password in {out.absolute()}; "
+        f"run `coordinator agent --id {agent_id} --etcd-user {credentials.user} "
+        f"--etcd-password-file {out.absolute()}`"
+    )
+    print(credentials.user, flush=True)
+
+
+def revoke(
+    agent_id: AgentId,
+    data_dir: DataDirOption = None,
+    etcd: EtcdOption = None,
+    namespace: NamespaceOption = "/coordinator",
+    etcd_ca: EtcdCaOption = None,
+    etcd_cert: EtcdCertOption = None,
+    etcd_key: EtcdKeyOption = None,
+    etcd_user: EtcdUserOption = None,
+    etcd_password_file: EtcdPasswordFileOption = None,
+) -> None:
+    """Delete an agent's etcd user and role (it can no longer connect; none is fine)."""
+    settings = (etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
+    with _root(data_dir, etcd, namespace, settings) as client:
+        try:
+            revoke_agent(client, agent_id)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="ID") from None
+        except CannotManageUsers as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(3) from None
+    console.print(f"agent {agent_id}: etcd user removed")
+
+
+app.command("agent")(agent)
+app.command("revoke-agent")(revoke)

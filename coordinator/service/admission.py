@@ -1,0 +1,149 @@
+"""What a submitted job's parameters may be, decided without touching the disk.
+
+The API process never globs, stats or creates anything a submitter names: a path
+parameter is checked for its shape only, and must lie (after `..` and symlinks)
+under the operator's root for it: `data` and `eval_data` under `--data-root`,
+`artifacts` under `--artifacts-root`. A relative path is taken from its root and
+stored absolute, so the members read exactly what was checked. The members
+check again when they read (each matched file, symlinks followed, through
+`COORDINATOR_DATA_ROOT` and `COORDINATOR_ARTIFACTS_ROOT`), which also covers a
+glob's matches and a link made after the submit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV, shape_only
+from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
+
+DATA_FIELDS = ("data", "eval_data")
+ARTIFACTS_FIELD = "artifacts"
+MNIST_BUILTIN = "digits"
+MAX_SYNTHETIC_ROWS = 5_000_000
+MAX_SYNTHETIC_FEATURES = 2_000
+MAX_SYNTHETIC_CELLS = 50_000_000  # rows x features: 200 MB of float32 over all members
+MAX_PATH_CHARS = 1024
+_SYNTHETIC = re.compile(r"synthetic:(\d+)x(\d+)(?::\d+)?")
+_GLOB_CHARS = ("*", "?", "[")
+
+
+class Refused(ValueError):
+    """A parameter the API does not accept; `field` names it (e.g. `params.data`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Roots:
+    """The operator's folders that submitted paths must stay in."""
+
+    data: Path
+    artifacts: Path
+
+    @classmethod
+    def of(cls, data: Path, artifacts: Path) -> Roots:
+        return cls(Path(os.path.realpath(data)), Path(os.path.realpath(artifacts)))
+
+    @classmethod
+    def from_environment(cls) -> Roots:
+        """The roots `coordinator serve` exported for its members (else ./data, ./artifacts)."""
+        return cls.of(
+            Path(os.environ.get(DATA_ROOT_ENV) or "data"),
+            Path(os.environ.get(ARTIFACTS_ROOT_ENV) or "artifacts"),
+        )
+
+
+def admit_params(kind: str, params: dict[str, str], roots: Roots) -> dict[str, str]:
+    """The parameters with every path made absolute under its root; Refused naming the
+    field for a path outside it, a malformed one, or a synthetic data set too large."""
+    admitted = dict(params)
+    for name in DATA_FIELDS:
+        if name in params:
+            admitted[name] = _data_source(kind, name, params[name], roots.data)
+    if ARTIFACTS_FIELD in params and params[ARTIFACTS_FIELD].strip():
+        admitted[ARTIFACTS_FIELD] = confine(
+            ARTIFACTS_FIELD, params[ARTIFACTS_FIELD], roots.artifacts
+        )
+    return admitted
+
+
+def check_kind(kind: str, params: dict[str, str], workers: int) -> None:
+    """The kind's own parameter checks, reading no file (a ValueError names the field)."""
+    from coordinator.jobs import JOB_KINDS
+
+    with shape_only():
+        if kind == "xgboost":
+            from coordinator.datasets import check_shards
+            from coordinator.jobs.boosting import parse
+
+            options = parse(params)
+            for source in (options.data, options.eval_data):
+                if source is not None and source.kind in ("synthetic", "builtin"):
+                    check_shards(source, workers)  # no file: rows per member, counted
+        elif kind == "mnist":
+            try:
+                from coordinator.jobs.mnist import parse as parse_mnist_job
+            except ImportError as exc:
+                raise ValueError(
+                    f"mnist job: needs PyTorch ({exc.name} is missing): "
+                    "pip install 'etcd-coordinator[mnist]'"
+                ) from None
+            # A folder's files are the members' to read: its shape was checked above.
+            data = params.get("data", MNIST_BUILTIN)
+            parse_mnist_job({**params, "data": MNIST_BUILTIN} if data != MNIST_BUILTIN else params,
+                            workers)  # fmt: skip
+        else:
+            JOB_KINDS[kind](params, workers).close()
+
+
+def confine(field: str, text: str, root: Path) -> str:
+    """`text` as an absolute path under `root` (symlinks resolved), or Refused naming the
+    field. Looks at nothing but the path's own links; globs only in the last part."""
+    where = f"params.{field}"
+    text = text.strip()
+    if not text or len(text) > MAX_PATH_CHARS or "\0" in text:
+        raise Refused(where, f"{field}: a path of 1 to {MAX_PATH_CHARS} characters is needed")
+    if text.startswith("~"):
+        raise Refused(where, f"{field}: {text!r}: give a path under {root}, not from a home")
+    path = Path(text) if os.path.isabs(text) else root / text
+    parts = path.parts
+    if ".." in parts:
+        raise Refused(where, f"{field}: {text!r}: '..' is not allowed")
+    if any(char in part for part in parts[:-1] for char in _GLOB_CHARS):
+        raise Refused(where, f"{field}: {text!r}: a glob may only be in the file name")
+    resolved = os.path.realpath(path)
+    if os.path.commonpath([resolved, root]) != str(root):
+        raise Refused(where, f"{field}: {text!r} is outside {root} (the service's root for it)")
+    return str(path)
+
+
+def _data_source(kind: str, field: str, text: str, root: Path) -> str:
+    stripped = text.strip()
+    if kind == "mnist" and stripped == MNIST_BUILTIN:
+        return text
+    if stripped in BUILTINS:
+        return text
+    if stripped.startswith("synthetic:"):
+        match = _SYNTHETIC.fullmatch(stripped)
+        if match is not None:  # a malformed one is the job's own check to name
+            rows, features = int(match[1]), int(match[2])
+            if (
+                rows > MAX_SYNTHETIC_ROWS
+                or features > MAX_SYNTHETIC_FEATURES
+                or rows * features > MAX_SYNTHETIC_CELLS
+            ):
+                raise Refused(
+                    f"params.{field}",
+                    f"{field}: {stripped} is too large here: at most {MAX_SYNTHETIC_ROWS:,} rows, "
+                    f"{MAX_SYNTHETIC_FEATURES:,} features and {MAX_SYNTHETIC_CELLS:,} cells",
+                )
+        return text
+    if not any(sep in stripped for sep in ("/", ".", os.sep)):
+        return text  # a bare word: an unknown builtin, which the job's check names
+    return confine(field, text, root)
