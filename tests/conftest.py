@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from coordinator.etcd.client import Etcd
-from coordinator.etcd.security import ENV
+from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.etcd.users import ROOT, enable_auth, new_password, write_password_file
 from tests.containers.harness import (
     LABEL,
     Images,
@@ -136,9 +137,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 class EtcdContainer:
-    """etcd in a container started by testcontainers; `endpoint` as on EmbeddedEtcd."""
+    """etcd in a container started by testcontainers, with auth on as the product runs it
+    (a root password in a private file of the test session's); as on EmbeddedEtcd,
+    `endpoint` and `security`."""
 
-    def __init__(self, image: str) -> None:
+    def __init__(self, image: str, folder: Path) -> None:
         from testcontainers.core.container import DockerContainer
 
         self.container = (
@@ -146,14 +149,18 @@ class EtcdContainer:
             .with_command(
                 "/usr/local/bin/etcd --name=etcd --data-dir=/var/lib/etcd "
                 "--listen-client-urls=http://0.0.0.0:2379 "
-                "--advertise-client-urls=http://127.0.0.1:2379"
+                "--advertise-client-urls=http://127.0.0.1:2379 --bcrypt-cost=4"
             )
             .with_exposed_ports(2379)
             .start()
         )
         host = self.container.get_container_host_ip()
         self.endpoint = f"{host}:{self.container.get_exposed_port(2379)}"
-        Etcd(self.endpoint, connect_timeout=30).close()  # up and answering
+        password = new_password()
+        password_file = write_password_file(folder / "root.password", password)
+        with Etcd(self.endpoint, connect_timeout=30, security=EtcdSecurity()) as plain:
+            enable_auth(plain, password)
+        self.security = EtcdSecurity(user=ROOT, password_file=str(password_file))
 
     def stop(self) -> None:
         self.container.stop()
@@ -181,28 +188,32 @@ def images(podman_service: PodmanService) -> Images:
 
 
 @pytest.fixture(scope="session")
-def etcd_server(etcd_source: str, request: pytest.FixtureRequest) -> Iterator[Any]:
-    if etcd_source == "embedded":
-        # Auth on, as the product runs it. Its root settings go into the environment, where
-        # every client of the tests and every process they start (and the members those
-        # start) finds them.
-        saved = {var: os.environ.get(var) for var in ENV.values()}
-        with EmbeddedEtcd() as server:
-            server.security.export()
-            try:
-                yield server
-            finally:
-                for var, value in saved.items():
-                    if value is None:
-                        os.environ.pop(var, None)
-                    else:
-                        os.environ[var] = value
-        return
-    container = EtcdContainer(request.getfixturevalue("images").etcd)
+def etcd_server(
+    etcd_source: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    # Auth on, as the product runs it. The root settings go into the environment, where
+    # every client of the tests and every process they start (and the members those start)
+    # finds them.
+    saved = {var: os.environ.get(var) for var in ENV.values()}
+    server: Any = None
     try:
-        yield container
+        if etcd_source == "embedded":
+            server = EmbeddedEtcd().start()
+        else:
+            folder = tmp_path_factory.mktemp("etcd-container")
+            server = EtcdContainer(request.getfixturevalue("images").etcd, folder)
+        server.security.export()
+        yield server
     finally:
-        container.stop()
+        if isinstance(server, EmbeddedEtcd):
+            server.close()
+        elif server is not None:
+            server.stop()
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 @pytest.fixture
