@@ -22,10 +22,11 @@ from typing import Any
 from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
 from coordinator.etcd.names import check_name
 from coordinator.events import emit
-from coordinator.jobs import JOB_KINDS
+from coordinator.jobs import MEMBER_KINDS, make_job
 from coordinator.rendezvous.errors import (
     JobFull,
     MemberLost,
+    ProgramFailed,
     RendezvousError,
     RendezvousTimeout,
     SessionLost,
@@ -53,6 +54,10 @@ EXIT_CODES: dict[int, str] = {
     RendezvousTimeout.exit_code: "a phase passed its deadline; the message names who was missing",
     SessionLost.exit_code: "this member lost its own etcd lease and stopped",
     Unreachable.exit_code: "the leader could not connect to a member's endpoint",
+    ProgramFailed.exit_code: (
+        "the program (kind command) exited non-zero or was killed; the message names the "
+        "rank and its exit code or signal"
+    ),
     EXIT_INTERRUPTED: "stopped by SIGINT or SIGTERM",
 }
 
@@ -70,6 +75,8 @@ class WorkerOptions:
     advertise_address: str | None = None
     port: int = 0
     params: dict[str, str] = field(default_factory=dict)
+    #: The `command` kind's program and its arguments, as a list (never split or joined).
+    program: list[str] | None = None
 
 
 #: Seconds a job gets, once the member knows the job cannot go on, to fail by itself
@@ -143,16 +150,16 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def run_worker(options: WorkerOptions) -> int:
     """Run one member through every phase; returns the process exit code."""
-    if options.kind not in JOB_KINDS:
+    if options.kind not in MEMBER_KINDS:
         print(
-            f"error: unknown job kind {options.kind!r} (known: {', '.join(JOB_KINDS)})",
+            f"error: unknown job kind {options.kind!r} (known: {', '.join(MEMBER_KINDS)})",
             file=sys.stderr,
         )
         return EXIT_USAGE
     try:  # bad input is named before anything touches etcd
         check_name("job id", options.job_id)
         parse_endpoints(options.etcd)
-        job = JOB_KINDS[options.kind](options.params, options.world_size)
+        job = make_job(options.kind, options.params, options.world_size, options.program)
     except ValueError as exc:
         return _fail(exc, EXIT_USAGE)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -179,7 +186,8 @@ def run_worker(options: WorkerOptions) -> int:
             address=options.advertise_address,
             port=options.port,
         )
-        watchdog = Watchdog(member)
+        # A job that stops a program of its own gets that long more before the watchdog acts.
+        watchdog = Watchdog(member, TROUBLE_GRACE_SECONDS + getattr(job, "stop_grace", 0.0))
         member.on_trouble(watchdog.arm)
         with member:
             member.leader_election()
@@ -191,7 +199,7 @@ def run_worker(options: WorkerOptions) -> int:
             emit("phase", phase="connect", rank=member.rank)
             member.phase = "training"  # the job runs until the `training` barrier
             result = job.run(member)
-            member.barrier("training")
+            member.barrier("training", timeout=getattr(job, "training_timeout", None))
             emit("phase", phase="training", rank=member.rank)
             member.cleaner()
             emit("phase", phase="cleaner", rank=member.rank, cleaned_up=member.cleaned_up)

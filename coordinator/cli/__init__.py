@@ -6,7 +6,16 @@ import os
 
 import typer
 
-from coordinator.cli import agent, client, cluster, credentials, members, serve, simulate
+from coordinator.cli import (
+    agent,
+    client,
+    cluster,
+    credentials,
+    members,
+    options,
+    serve,
+    simulate,
+)
 
 __all__ = ["app"]
 
@@ -26,8 +35,8 @@ def private_files() -> None:
 
 
 # Registered here, not by decorators in the modules, so the order in `--help` is explicit.
-app.command()(members.worker)
-app.command()(members.run)
+app.command(cls=options.ProgramCommand)(members.worker)
+app.command(cls=options.ProgramCommand)(members.run)
 app.command("etcd")(cluster.etcd_server)
 app.command("exit-codes")(cluster.exit_codes)
 app.command("k8s")(cluster.k8s_manifests)

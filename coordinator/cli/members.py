@@ -35,7 +35,7 @@ from coordinator.cli.options import (
     EtcdOption,
     EtcdPasswordFileOption,
     EtcdUserOption,
-    JobKind,
+    MemberKind,
     NamespaceOption,
     ParamOption,
     TimeoutOption,
@@ -43,6 +43,7 @@ from coordinator.cli.options import (
     console,
     etcd_security,
     parse_param_option,
+    program_after_dashes,
 )
 from coordinator.etcd.client import Etcd, EtcdError
 from coordinator.etcd.security import EtcdSecurity
@@ -53,14 +54,17 @@ from coordinator.etcd.users import (
     revoke_job,
     write_password_file,
 )
+from coordinator.jobs import COMMAND
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
+from coordinator.rendezvous.errors import MemberLost
 from coordinator.worker import EXIT_INTERRUPTED, WorkerOptions, run_worker
 
 PHASES = ["leader_election", "ip_exchange", "connect", "training", "cleaner"]
 
 
 def worker(
+    ctx: typer.Context,
     job: Annotated[
         str, typer.Option(envvar="COORDINATOR_JOB", help="job id shared by all members")
     ],
@@ -73,7 +77,14 @@ def worker(
             "--etcd", envvar="COORDINATOR_ETCD", help="etcd endpoints HOST:PORT[,HOST:PORT...]"
         ),
     ] = "127.0.0.1:2379",
-    kind: Annotated[JobKind, typer.Option(envvar="COORDINATOR_KIND", help="job kind")] = "noop",  # type: ignore[assignment]
+    kind: Annotated[
+        MemberKind | None,  # type: ignore[valid-type]
+        typer.Option(
+            envvar="COORDINATOR_KIND",
+            help="job kind [command with a program after --, else noop]",
+            show_default=False,
+        ),
+    ] = None,
     namespace: NamespaceOption = "/coordinator",
     ttl: TtlOption = 10,
     timeout: TimeoutOption = 300.0,
@@ -93,7 +104,12 @@ def worker(
     etcd_user: EtcdUserOption = None,
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
-    """Run one member of a job: the entrypoint of a worker container."""
+    """Run one member of a job: the entrypoint of a worker container.
+
+    With `-- PROGRAM [ARGS...]` (kind command) the member runs that program once the
+    rendezvous is done, with torch's env:// variables set (see the README)."""
+    program = program_after_dashes(ctx)
+    kind_name = member_kind(kind.value if kind else None, program, default="noop")
     params = parse_param_option(param)
     # Exported into the environment, where the member's etcd client reads them.
     etcd_security(etcd, etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
@@ -102,7 +118,7 @@ def worker(
             job_id=job,
             world_size=world_size,
             etcd=etcd,
-            kind=kind.value,
+            kind=kind_name,
             namespace=namespace,
             ttl=ttl,
             timeout=timeout,
@@ -110,6 +126,7 @@ def worker(
             advertise_address=advertise_address,
             port=port,
             params=params,
+            program=program if kind_name == COMMAND else None,
         )
     )
     # Everything the member owns is closed by now. Leave without the interpreter's
@@ -118,6 +135,25 @@ def worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def member_kind(given: str | None, program: list[str] | None, default: str | None) -> str:
+    """The kind a `worker` or `run` runs: `command` when a program follows `--` (which no
+    other kind takes), else the kind given, else `default` (None: the kind is required)."""
+    if program is not None:
+        if given not in (None, COMMAND):
+            raise typer.BadParameter(
+                f"a program after -- runs as kind {COMMAND}, not {given}", param_hint="kind"
+            )
+        return COMMAND
+    if given is None:
+        if default is None:
+            raise typer.BadParameter(
+                "give a job kind, or a program after -- (coordinator run -- PROGRAM ARGS)",
+                param_hint="KIND",
+            )
+        return default
+    return given
 
 
 @contextlib.contextmanager
@@ -176,7 +212,11 @@ def _job_user(
 
 
 def run(
-    kind: Annotated[JobKind, typer.Argument(help="job kind")],
+    ctx: typer.Context,
+    kind: Annotated[
+        MemberKind | None,  # type: ignore[valid-type]
+        typer.Argument(help="job kind [command when a program follows --]", show_default=False),
+    ] = None,
     workers: Annotated[int, typer.Option(min=1, help="number of local worker processes")] = 2,
     etcd: EtcdOption = None,
     job: Annotated[str | None, typer.Option(help="job id [random]")] = None,
@@ -205,13 +245,18 @@ def run(
     etcd_user: EtcdUserOption = None,
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
-    """Run a whole job with local worker processes (and an embedded etcd unless --etcd)."""
+    """Run a whole job with local worker processes (and an embedded etcd unless --etcd).
+
+    `coordinator run --workers N -- PROGRAM [ARGS...]` runs your program as each member
+    (kind command), torchrun-style: its output is shown prefixed with its rank."""
+    program = program_after_dashes(ctx)
+    kind_name = member_kind(kind.value if kind else None, program, default=None)
     # Checked here; the workers inherit the settings from the environment (a job user's,
     # see `_etcd_endpoint`; the embedded etcd takes no TLS settings, so those need --etcd).
     security = etcd_security(
         etcd or "127.0.0.1:2379", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
     )
-    job_id = job or f"{kind.value}-{uuid.uuid4().hex[:8]}"
+    job_id = job or f"{kind_name}-{uuid.uuid4().hex[:8]}"
     shortcuts = {"data": data, "rounds": rounds, "epochs": epochs, "method": method}
     param = [*(param or []), *(f"{k}={v}" for k, v in shortcuts.items() if v is not None)]
     # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
@@ -220,17 +265,22 @@ def run(
         with _etcd_endpoint(etcd, namespace, job_id, security) as endpoint:
             args = [
                 "--job", job_id, "--world-size", str(workers), "--etcd", endpoint,
-                "--kind", kind.value, "--namespace", namespace, "--ttl", str(ttl),
+                "--kind", kind_name, "--namespace", namespace, "--ttl", str(ttl),
                 "--timeout", str(timeout), "--connect-timeout", str(connect_timeout),
                 *(arg for p in param or [] for arg in ("--param", p)),
             ]  # fmt: skip
-            console.print(f"job [bold]{job_id}[/bold]: {workers} {kind.value} workers")
-            launcher = LocalLauncher(workers, args)
+            if kind_name == COMMAND:
+                args += ["--", *(program or [])]  # one list, as given
+            console.print(f"job [bold]{job_id}[/bold]: {workers} {kind_name} workers")
+            launcher = LocalLauncher(workers, args, echo=kind_name == COMMAND)
             try:
-                _follow(
-                    launcher,
-                    deadline=time.monotonic() + timeout * (len(PHASES) + 1) + connect_timeout,
-                )
+                if kind_name == COMMAND:  # the programs' output, and no deadline on training
+                    _echo(launcher)
+                else:
+                    _follow(
+                        launcher,
+                        deadline=time.monotonic() + timeout * (len(PHASES) + 1) + connect_timeout,
+                    )
             except KeyboardInterrupt:
                 console.print("[yellow]interrupted: stopping workers[/yellow]")
                 launcher.stop()
@@ -273,6 +323,21 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
                 )
             elif event["event"] in ("step", "metrics"):  # the mnist job's trainers and server
                 _follow_steps(progress, tasks, event, clocks)
+
+
+def _echo(launcher: LocalLauncher) -> None:
+    """Show the programs' output lines, each prefixed with its rank, as they come."""
+    while launcher.running() or not launcher.events.empty():
+        try:
+            index, event = launcher.events.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if event["event"] == "output":
+            rank = launcher.workers[index].rank
+            stream = sys.stderr if event["stream"] == "stderr" else sys.stdout
+            print(
+                f"[rank {'?' if rank is None else rank}] {event['line']}", file=stream, flush=True
+            )
 
 
 def _follow_steps(
@@ -322,6 +387,13 @@ def _report(workers: list[LocalWorker]) -> int:
             f"[red]worker {w.index} (rank {w.rank}) exited {w.exit_code}:[/red] {escape(reason)}"
         )
     if failed:
-        return next(w.exit_code for w in failed if w.exit_code is not None) or 1
+        return run_exit_code([w.exit_code for w in failed])
     console.print(f"[green]all {len(workers)} workers passed every phase and cleaned up[/green]")
     return 0
+
+
+def run_exit_code(failed: list[int | None]) -> int:
+    """The run's exit code from its failed workers' codes: the first cause's, not a
+    survivor's `MemberLost` (which only says someone else failed first)."""
+    causes = [code for code in failed if code not in (None, MemberLost.exit_code)]
+    return next(iter(causes), None) or next((c for c in failed if c), None) or 1

@@ -7,16 +7,40 @@ from enum import Enum
 from typing import Annotated
 
 import typer
+import typer.core
 from rich.console import Console
 
 from coordinator.etcd.client import parse_endpoints
 from coordinator.etcd.security import ENV, EtcdSecurity, SecurityError
-from coordinator.jobs import JOB_KINDS
+from coordinator.jobs import JOB_KINDS, MEMBER_KINDS
 from coordinator.jobs.params import parse_param_list, parse_params
 
 console = Console(stderr=True)
 
 JobKind = Enum("JobKind", {name: name for name in JOB_KINDS}, type=str)  # type: ignore[misc]
+#: The kinds of `worker` and `run`: the service's, and `command` (a program after --).
+MemberKind = Enum("MemberKind", {name: name for name in MEMBER_KINDS}, type=str)  # type: ignore[misc]
+
+PROGRAM_META = "coordinator.program"
+
+
+class ProgramCommand(typer.core.TyperCommand):
+    """A command that takes a program after `--`: everything after the first `--` is the
+    program and its arguments, one list, never parsed as this command's options."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta[PROGRAM_META] = args[at + 1 :]
+            args = args[:at]
+        return super().parse_args(ctx, args)
+
+
+def program_after_dashes(ctx: typer.Context) -> list[str] | None:
+    """The program given after `--` to the running command (None: no `--`)."""
+    program = ctx.meta.get(PROGRAM_META)
+    return None if program is None else list(program)
+
 
 EtcdOption = Annotated[
     str | None,

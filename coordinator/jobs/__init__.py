@@ -5,11 +5,15 @@ A job is built from its parameters and the world size before the member joins
 then gets two calls: `on_roster` once the roster is known (before `connect`:
 the place to start a service the others must reach, or to load data), and
 `run` after `connect`. `close` always follows.
+
+The `command` kind (any program as each member) is built by `make_job` from a
+program as well; it is a kind of the `worker` and `run` commands only, not
+(yet) of the service's API, so it is not in `JOB_KINDS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -79,3 +83,22 @@ JOB_KINDS: dict[str, JobFactory] = {
     "xgboost": _xgboost,
     "mnist": _mnist,
 }
+
+COMMAND = "command"
+
+#: The kinds `coordinator worker` and `coordinator run` take.
+MEMBER_KINDS = [*JOB_KINDS, COMMAND]
+
+
+def make_job(
+    kind: str, params: dict[str, str], world_size: int, program: Sequence[str] | None = None
+) -> Job:
+    """A member's job of `kind`; `program` (a list, never split or joined) only for
+    `command`. Raises ValueError naming bad input."""
+    if kind == COMMAND:
+        from coordinator.jobs.command import CommandJob
+
+        return CommandJob(params, world_size, program or [])
+    if program is not None:
+        raise ValueError(f"a program after -- runs only with kind {COMMAND}, not {kind}")
+    return JOB_KINDS[kind](params, world_size)

@@ -35,9 +35,11 @@ class LocalWorker:
 
 
 class LocalLauncher:
-    """Spawns `n` copies of `coordinator worker <args>`; `events` yields their progress."""
+    """Spawns `n` copies of `coordinator worker <args>`; `events` yields their progress
+    (and, with `echo`, their other output lines as `output` events: a program's)."""
 
-    def __init__(self, n: int, worker_args: list[str]) -> None:
+    def __init__(self, n: int, worker_args: list[str], echo: bool = False) -> None:
+        self.echo = echo
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.workers: list[LocalWorker] = []
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -67,9 +69,11 @@ class LocalLauncher:
             try:
                 event = json.loads(line)
             except ValueError:
-                continue
+                event = None
             if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                continue  # a line that only looks like an event: not ours to act on
+                # Not an event (a line that only looks like one is not ours to act on either).
+                self._output(worker, "stdout", line)
+                continue
             rank = event.get("rank")
             if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
                 worker.rank = rank
@@ -83,11 +87,18 @@ class LocalLauncher:
         worker.process.wait()
         self.events.put((worker.index, {"event": "exit", "exit_code": worker.process.returncode}))
 
-    @staticmethod
-    def _read_stderr(worker: LocalWorker, stream: IO[str] | None) -> None:
+    def _output(self, worker: LocalWorker, stream: str, line: str) -> None:
+        if self.echo:
+            event = {"event": "output", "stream": stream, "line": line.rstrip("\n")}
+            self.events.put((worker.index, event))
+
+    def _read_stderr(self, worker: LocalWorker, stream: IO[str] | None) -> None:
         assert stream is not None
         for line in stream:
             worker.stderr.append(line.rstrip("\n"))
+            if len(worker.stderr) > 2000:  # a program may write without end: keep the last
+                del worker.stderr[:1000]
+            self._output(worker, "stderr", line)
 
     def running(self) -> int:
         return sum(1 for w in self.workers if w.exit_code is None)

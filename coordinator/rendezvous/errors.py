@@ -46,3 +46,13 @@ class Unreachable(RendezvousError):
     """The leader could not open a connection to a member's published endpoint."""
 
     exit_code = 8
+
+
+class ProgramFailed(RendezvousError):
+    """The user's program (the `command` kind) ended with a non-zero status or a signal."""
+
+    exit_code = 9
+
+    def __init__(self, rank: int, status: str) -> None:
+        self.rank, self.status = rank, status
+        super().__init__(f"rank {rank}: the program {status}")

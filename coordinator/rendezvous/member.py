@@ -368,11 +368,12 @@ class Member:
         self._barrier("connect")
 
     @fenced
-    def barrier(self, name: str) -> None:
-        """Wait until all N members have called `barrier(name)` the same number of times."""
-        self._barrier(check_name("barrier name", name))
+    def barrier(self, name: str, timeout: float | None = None) -> None:
+        """Wait until all N members have called `barrier(name)` the same number of times
+        (for at most `timeout` seconds, inf for no deadline; default the phase timeout)."""
+        self._barrier(check_name("barrier name", name), timeout)
 
-    def _barrier(self, name: str) -> None:
+    def _barrier(self, name: str, timeout: float | None = None) -> None:
         self.phase = name
         arrived = time.time()
         rank, lease = self._require_rank(), self._lease()
@@ -403,6 +404,7 @@ class Member:
             on_events=lambda events: True if any(e.kind == "put" for e in events) else None,
             recheck=recheck,
             missing=lambda: self._missing_ranks(base + "arrived/"),
+            timeout=timeout,
         )
         self._record(arrived)
 
@@ -463,6 +465,7 @@ class Member:
         recheck: Callable[[], T | None],
         missing: Callable[[], list[int] | str],
         prefix: bool = False,
+        timeout: float | None = None,
     ) -> T:
         """Block until `on_events` returns a value, a member is lost, or the deadline.
 
@@ -472,7 +475,8 @@ class Member:
         self._raise_if_lost()
         self._wait_token += 1
         token = self._wait_token
-        deadline = time.monotonic() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         watch = self.etcd.watch(
             key,
             lambda events: self._inbox.put(("events", token, events)),
@@ -483,9 +487,9 @@ class Member:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RendezvousTimeout(self.phase, self.timeout, missing())
-                try:
-                    item = self._inbox.get(timeout=remaining)
+                    raise RendezvousTimeout(self.phase, timeout, missing())
+                try:  # an hour at most per get: a wait without deadline has remaining = inf
+                    item = self._inbox.get(timeout=min(remaining, 3600.0))
                 except queue.Empty:
                     continue
                 kind = item[0]

@@ -1,0 +1,173 @@
+"""The `command` kind: any program as each member, the way torchrun runs a training script.
+
+- Before joining, every member checks the program (not empty, found on PATH or
+  executable) and its parameters, so bad input fails every member at once,
+  before anything is written to etcd.
+- Once the roster is known, each member reserves a port on its roster address
+  (a bound socket) and publishes it at `<job>/command/<round>/ports/<rank>`,
+  leased; the leader's is MASTER_PORT. After `connect` every member reads them
+  all, writes the roster file (0600, never the round's secret), releases its
+  port and starts the program under `reaper.py` in a process group of its own,
+  with the environment of `environment.program_environment`.
+- While the program runs, the member listens for the job's trouble: a lost
+  peer (or its own lease) sends SIGTERM to the program's group, SIGKILL after
+  `grace_seconds`, and the member fails naming the lost rank. SIGTERM/SIGINT to
+  the member go to the group the same way.
+- A program that fails makes its member fail (`ProgramFailed`, naming the rank
+  and the status), unless a peer's loss explains it: a collective fails at
+  once when a peer dies, while etcd names the dead peer within a TTL, so the
+  member waits that long for a loss before blaming its own program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coordinator.jobs.environment import describe_status, program_environment, roster_document
+from coordinator.jobs.params import artifacts_dir, check_known, float_param
+from coordinator.jobs.program import ProgramGroup
+from coordinator.rendezvous.errors import ProgramFailed, RendezvousError
+
+if TYPE_CHECKING:
+    from coordinator.rendezvous.member import Member
+
+JOB = "command"
+DEFAULT_GRACE = 10.0
+PARAMS = {
+    "grace_seconds": f"seconds from SIGTERM to SIGKILL of the program (default {DEFAULT_GRACE:g})",
+    "artifacts": "artifacts root; the program gets <root>/<job> as $COORDINATOR_ARTIFACTS",
+}
+
+
+def check_program(program: Sequence[str]) -> list[str]:
+    """The program as a list, checked before joining; ValueError names the problem."""
+    program = list(program)
+    if not program or not program[0].strip():
+        raise ValueError(f"{JOB} job: the program is empty (give it after --: -- PROGRAM ARGS)")
+    if shutil.which(program[0]) is None:
+        raise ValueError(
+            f"{JOB} job: program {program[0]!r} is not found on PATH or is not executable"
+        )
+    return program
+
+
+class CommandJob:
+    """One member's side of the job (see the module docstring)."""
+
+    def __init__(self, params: dict[str, str], world_size: int, program: Sequence[str]) -> None:
+        check_known(JOB, params, PARAMS)
+        self.program = check_program(program)
+        self.world_size = world_size
+        #: How long stopping the program may take; the worker's watchdog waits this much more.
+        self.stop_grace = float_param(JOB, params, "grace_seconds", DEFAULT_GRACE)
+        self.artifacts_root = artifacts_dir(JOB, params)
+        #: The `training` barrier waits for the slowest program, as torchrun does
+        #: (a lost member still ends the wait at once).
+        self.training_timeout = float("inf")
+        self._reserved: socket.socket | None = None
+        self._private: Path | None = None
+        self._group: ProgramGroup | None = None
+        self._wake = threading.Event()
+        self._trouble: RendezvousError | None = None
+
+    # -- before connect ---------------------------------------------------
+
+    def on_roster(self, member: Member) -> None:
+        member.on_trouble(self._on_trouble)
+        roster, rank = member.roster, member.rank
+        assert roster is not None and rank is not None
+        host = roster.members[rank].host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._reserved = sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))  # bound, never listening: held until the program starts
+        port = sock.getsockname()[1]
+        member.etcd.put(f"{self._ports_key(member)}{rank:06d}", str(port), member.lease_id)
+
+    def _ports_key(self, member: Member) -> str:
+        return f"{member.keys.job}command/{member.round}/ports/"
+
+    def _on_trouble(self, error: RendezvousError) -> None:
+        self._trouble = error
+        self._wake.set()
+
+    # -- the program ------------------------------------------------------
+
+    def run(self, member: Member) -> dict[str, object]:
+        roster, rank = member.roster, member.rank
+        assert roster is not None and rank is not None
+        kvs, _ = member.etcd.get_prefix(self._ports_key(member))
+        ports = {int(kv.key.rsplit("/", 1)[1]): int(kv.value) for kv in kvs}
+        missing = sorted(set(range(self.world_size)) - set(ports))
+        if missing:
+            raise RuntimeError(f"ranks {missing} published no reserved port before connect")
+        artifacts = self.artifacts_root / member.job_id
+        artifacts.mkdir(parents=True, exist_ok=True)
+        self._private = Path(tempfile.mkdtemp(prefix=f"coordinator-{member.job_id}-"))  # 0700
+        roster_file = self._private / "roster.json"
+        fd = os.open(roster_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(roster_document(roster, ports), handle, indent=1)
+        env = program_environment(
+            os.environ,
+            roster=roster,
+            rank=rank,
+            ports=ports,
+            roster_file=roster_file,
+            artifacts=artifacts,
+            etcd_endpoints=",".join(member.etcd.endpoints),
+            namespace=member.etcd.namespace,
+        )
+        self._release_port()  # free when the program starts
+        member.phase = "program"
+        return self._supervise(member, ProgramGroup(self.program, env))
+
+    def _supervise(self, member: Member, group: ProgramGroup) -> dict[str, object]:
+        self._group = group
+        threading.Thread(target=self._wait_for_exit, args=(group,), daemon=True).start()
+        try:
+            self._wake.wait()
+        except KeyboardInterrupt:
+            group.stop(self.stop_grace, signal.SIGINT)
+            raise
+        except BaseException:  # SIGTERM to the member (the worker's Terminated), or worse
+            group.stop(self.stop_grace, signal.SIGTERM)
+            raise
+        if self._trouble is not None:  # a lost peer, or our own lease: stop the program
+            group.stop(self.stop_grace)
+            raise self._trouble
+        code = group.poll()
+        assert code is not None
+        group.stop(self.stop_grace)  # what the program left behind in its group
+        if code != 0:
+            lost = member.wait_for_loss(member.ttl + 2.0)
+            if lost is not None:
+                raise lost
+            raise ProgramFailed(member.rank or 0, describe_status(code))
+        return {"rank": member.rank, "exit_code": 0, "program": self.program[0]}
+
+    def _wait_for_exit(self, group: ProgramGroup) -> None:
+        group.wait()
+        self._wake.set()
+
+    def _release_port(self) -> None:
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
+
+    def close(self) -> None:
+        self._release_port()
+        if self._group is not None:
+            self._group.stop(self.stop_grace)
+            self._group = None
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None

@@ -1,0 +1,101 @@
+"""What the `command` kind tells a user's program: its environment and its roster file.
+
+Pure functions of the roster and the member's settings, so the contract (torch's
+env:// variables plus ours, see the README's table) is one place and testable
+without processes. The round's secret never reaches either: the roster file is
+built from `model_dump`, which leaves it out.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from coordinator.etcd.security import ENV as ETCD_SECURITY_ENV
+from coordinator.rendezvous.roster import Roster
+
+#: Variables a program gets from its member beyond the member's own environment.
+CONTRACT = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "COORDINATOR_JOB", "COORDINATOR_RANK", "COORDINATOR_WORLD_SIZE", "COORDINATOR_ROSTER",
+    "COORDINATOR_ARTIFACTS", "COORDINATOR_ETCD", "COORDINATOR_NAMESPACE",
+)  # fmt: skip
+
+
+def local_ranks(roster: Roster, rank: int) -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE): this member's place among those on its host
+    (same hostname in the roster), ordered by rank."""
+    hostname = roster.members[rank].hostname
+    same_host = [m.rank for m in roster.members if m.hostname == hostname]
+    return same_host.index(rank), len(same_host)
+
+
+def roster_document(roster: Roster, ports: Mapping[int, int]) -> dict[str, Any]:
+    """The roster file's content: every member's rank, address, host and reserved port."""
+    return {
+        "job_id": roster.job_id,
+        "round": roster.round,
+        "world_size": roster.world_size,
+        "master": {"addr": roster.leader.host, "port": ports[0]},
+        "members": [
+            {
+                "rank": m.rank,
+                "address": m.host,
+                "endpoint_port": m.port,
+                "hostname": m.hostname,
+                "pid": m.pid,
+                "reserved_ports": [ports[m.rank]],
+            }
+            for m in roster.members
+        ],
+    }
+
+
+def program_environment(
+    base: Mapping[str, str],
+    *,
+    roster: Roster,
+    rank: int,
+    ports: Mapping[int, int],
+    roster_file: Path,
+    artifacts: Path,
+    etcd_endpoints: str,
+    namespace: str,
+) -> dict[str, str]:
+    """The member's environment with the contract's variables set (ours win over inherited
+    ones of the same name). Only the etcd settings' names and file paths pass: there is
+    no password variable to pass (the password lives in the file the path names)."""
+    local_rank, local_world = local_ranks(roster, rank)
+    env = {k: v for k, v in base.items() if k not in CONTRACT}
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(roster.world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        MASTER_ADDR=roster.leader.host,
+        MASTER_PORT=str(ports[0]),
+        COORDINATOR_JOB=roster.job_id,
+        COORDINATOR_RANK=str(rank),
+        COORDINATOR_WORLD_SIZE=str(roster.world_size),
+        COORDINATOR_ROSTER=str(roster_file),
+        COORDINATOR_ARTIFACTS=str(artifacts),
+        COORDINATOR_ETCD=etcd_endpoints,
+        COORDINATOR_NAMESPACE=namespace,
+    )
+    for var in ETCD_SECURITY_ENV.values():
+        if not env.get(var):
+            env.pop(var, None)
+    return env
+
+
+def describe_status(returncode: int) -> str:
+    """A finished program's status in words: `exited with code 7`, `was killed by SIGKILL`."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"

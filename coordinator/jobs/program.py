@@ -1,0 +1,73 @@
+"""The user's program as a process group the member owns: start, signal, stop, reap.
+
+The program runs under `reaper.py` (the group's leader), which kills the whole
+group if the member dies, however it dies. Here is the member's side: the
+group's signals, and stopping it with a grace (SIGTERM, then SIGKILL) so that no
+process of the program outlives the member, grandchildren included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REAPER = Path(__file__).with_name("reaper.py")
+_POLL = 0.02  # seconds between checks that a stopped group is empty
+
+
+class ProgramGroup:
+    """One running program (under its reaper), in a process group of its own."""
+
+    def __init__(self, program: Sequence[str], env: Mapping[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *program],
+            env=dict(env),
+            start_new_session=True,  # its own group: signals reach the whole program
+        )
+        self.pgid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send(self, signum: int) -> bool:
+        """Send `signum` to every process of the group; False once the group is empty."""
+        try:
+            os.killpg(self.pgid, signum)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # only zombies left, or the id was reused: not ours
+            return False
+        return True
+
+    def alive(self) -> bool:
+        """Whether any process is left in the group (the reaper reaped, or not yet)."""
+        self.process.poll()
+        return self.send(0)
+
+    def stop(self, grace: float, signum: int = signal.SIGTERM) -> None:
+        """`signum` to the group, SIGKILL to whatever is left after `grace` seconds; returns
+        once the reaper is reaped and the group is empty (or only zombies are left)."""
+        if not self.send(signum):
+            self.process.wait()
+            return
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(_POLL)
+        self.kill()
+
+    def kill(self) -> None:
+        self.send(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5.0)
