@@ -1,0 +1,361 @@
+"""The `command` kind: a user's program as each member, with real etcd, processes and torch.
+
+The DDP example trains as under torchrun (same losses); a killed peer stops the
+others' programs, blocked in an all_reduce, within TTL + 2 s + grace, leaving no
+process and no rendezvous key; a failing program names its rank and exit code;
+bad programs fail every member before it joins; SIGTERM reaches the program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.server import EmbeddedEtcd, free_port
+from coordinator.jobs.environment import (
+    describe_status,
+    local_ranks,
+    program_environment,
+    roster_document,
+)
+from coordinator.rendezvous.roster import MemberAddress, Roster
+from tests.conftest import Proc, wait_until, worker_args
+
+ROOT = Path(__file__).parent.parent
+PROGRAMS = Path(__file__).parent / "programs"
+TTL, GRACE = 2, 2
+pytestmark = pytest.mark.one_etcd
+
+
+class Run:
+    """A `coordinator ...` process in a session of its own, its output lines collected."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "coordinator", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in (
+                (self.process.stdout, self.stdout),
+                (self.process.stderr, self.stderr),
+            )
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: Any, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def wait(self, timeout: float) -> int:
+        code = self.process.wait(timeout)
+        for reader in self._readers:  # every line read (they end with the pipes)
+            reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture
+def launch() -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> Run:
+        runs.append(Run(args, env))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.kill()
+
+
+def rank_results(lines: list[str]) -> dict[int, dict[str, Any]]:
+    """The JSON result line each rank's program printed (prefixed `[rank N] ` by `run`)."""
+    results = {}
+    for line in lines:
+        match = re.match(r"^(?:\[rank \d+\] )?(\{.*\})$", line)
+        if match:
+            result = json.loads(match.group(1))
+            if "rank" in result and "event" not in result:
+                results[result["rank"]] = result
+    return results
+
+
+def command_worker(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, job: str, world: int, program: list[str], **options: Any
+) -> list[str]:
+    args = worker_args(etcd_server.endpoint, etcd.namespace, job, world, kind="command", **options)
+    return [*args, "--param", f"grace_seconds={GRACE}", "--", *program]
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and every descendant (programs under their reapers, their children)."""
+    process = psutil.Process(pid)
+    return [pid, *(child.pid for child in process.children(recursive=True))]
+
+
+def gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+def rendezvous_keys(etcd: Etcd, job: str) -> list[Any]:
+    return etcd.get_prefix(etcd.key("jobs", job, "rendezvous") + "/")[0]
+
+
+# -- the contract, without processes ------------------------------------------
+
+
+def roster_of(hostnames: list[str]) -> Roster:
+    members = [
+        MemberAddress(rank=r, member_id=f"m{r}", host=f"10.0.0.{r}", port=9000 + r, hostname=h)
+        for r, h in enumerate(hostnames)
+    ]
+    return Roster(job_id="j", round=5, world_size=len(members), members=members, secret="ab" * 32)
+
+
+def test_local_ranks_count_the_members_on_the_same_host_in_rank_order() -> None:
+    roster = roster_of(["a", "b", "a", "b", "a"])
+    assert [local_ranks(roster, r) for r in range(5)] == [(0, 3), (0, 2), (1, 3), (1, 2), (2, 3)]
+
+
+def test_the_environment_and_roster_file_follow_the_contract_without_the_secret() -> None:
+    roster = roster_of(["a", "a"])
+    ports = {0: 29500, 1: 29501}
+    base = {"RANK": "9", "PATH": "/bin", "COORDINATOR_ETCD_USER": "job-j", "KEEP": "1"}
+    env = program_environment(
+        base,
+        roster=roster,
+        rank=1,
+        ports=ports,
+        roster_file=Path("/r.json"),
+        artifacts=Path("/art/j"),
+        etcd_endpoints="127.0.0.1:2379",
+        namespace="/ns",
+    )
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.0", "29500")
+    assert env["COORDINATOR_ROSTER"] == "/r.json" and env["COORDINATOR_ARTIFACTS"] == "/art/j"
+    assert env["COORDINATOR_ETCD_USER"] == "job-j" and env["KEEP"] == "1"
+    document = roster_document(roster, ports)
+    assert [m["reserved_ports"] for m in document["members"]] == [[29500], [29501]]
+    assert "ab" * 32 not in json.dumps(document) + json.dumps(env)
+
+
+def test_a_status_is_named_by_its_exit_code_or_signal() -> None:
+    assert describe_status(7) == "exited with code 7"
+    assert describe_status(-9) == "was killed by SIGKILL"
+
+
+# -- real members --------------------------------------------------------------
+
+
+def torchrun(port: int, script: list[str]) -> list[subprocess.Popen[str]]:
+    """Three torchrun agents, one node each, meeting through c10d on loopback."""
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "same",
+    ]  # fmt: skip
+    return [
+        subprocess.Popen(
+            [*args, *script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+        )
+        for _ in range(3)
+    ]
+
+
+def test_the_ddp_example_trains_as_under_torchrun(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, launch: Callable[..., Run]
+) -> None:
+    script = ["examples/ddp_mnist.py", "--steps", "3"]
+    ours = launch(
+        ["run", "--workers", "3", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
+         "--job", "ddp", "--ttl", "5", "--", "python", *script]
+    )  # fmt: skip
+    theirs = torchrun(free_port(), script)
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in theirs]
+    finally:
+        for p in theirs:
+            p.kill()
+    assert [p.returncode for p in theirs] == [0, 0, 0], outputs
+    assert ours.wait(120) == 0, ours.stderr[-10:]
+    results = rank_results(ours.stdout)
+    expected = rank_results("\n".join(outputs).splitlines())
+    assert sorted(results) == sorted(expected) == [0, 1, 2]
+    for rank, result in results.items():
+        assert result["ok"] and result["all_reduce"] == 6.0  # 1 + 2 + 3
+        assert result["losses"] == pytest.approx(expected[rank]["losses"], rel=1e-6)
+        assert len(result["losses"]) == 3
+    assert "all 3 workers passed every phase and cleaned up" in "\n".join(ours.stderr)
+    assert rendezvous_keys(etcd, "ddp") == []
+
+
+def test_the_roster_example_shows_every_member_to_every_member(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, launch: Callable[..., Run]
+) -> None:
+    run = launch(
+        ["run", "--workers", "3", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
+         "--job", "where", "--", "python", "examples/roster.py"]
+    )  # fmt: skip
+    assert run.wait(60) == 0, run.stderr[-10:]
+    seen = [
+        re.match(
+            r"\[rank (\d)\] rank (\d) sees rank (\d) on \S+ at 127.0.0.1 "
+            r"\(reserved ports \[(\d+)\]\)",
+            line,
+        )
+        for line in run.stdout
+    ]
+    pairs = {(int(m[1]), int(m[2]), int(m[3])) for m in seen if m}
+    assert pairs == {(r, r, other) for r in range(3) for other in range(3)}
+    ports = {(int(m[3]), int(m[4])) for m in seen if m}
+    assert len(ports) == 3 and len({port for _, port in ports}) == 3  # one port per rank, agreed
+    masters = {line.split("master ")[1] for line in run.stdout if "master " in line}
+    assert masters == {f"127.0.0.1:{dict(ports)[0]}"}
+
+
+def test_the_xgboost_example_trains_one_model_through_the_collective(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, launch: Callable[..., Run]
+) -> None:
+    run = launch(
+        ["run", "--workers", "2", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
+         "--job", "xgbc", "--", "python", "examples/xgboost_collective.py"]
+    )  # fmt: skip
+    assert run.wait(90) == 0, run.stderr[-10:]
+    results = rank_results(run.stdout)
+    assert sorted(results) == [0, 1]
+    assert len({r["model_sha256"] for r in results.values()}) == 1
+    assert all(r["logloss"] < 0.3 for r in results.values())
+
+
+def test_a_killed_peer_stops_the_others_blocked_in_all_reduce(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    os.environ["PIDS_DIR"] = str(tmp_path)  # the members pass it on to their programs
+    try:
+        program = [sys.executable, str(PROGRAMS / "block_in_allreduce.py")]
+        args = command_worker(etcd_server, etcd, "blocked", 3, program, ttl=TTL)
+        procs = [spawn(args) for _ in range(3)]
+    finally:
+        del os.environ["PIDS_DIR"]
+    ranks = [p.wait_event(lambda e: e.get("phase") == "connect", 60)["rank"] for p in procs]
+    wait_until(lambda: all((tmp_path / f"rank{r}").exists() for r in range(3)), 60, "programs")
+    pids = [pid for p in procs for pid in tree(p.process.pid)]
+    assert len(pids) == 3 * 4  # member, reaper, program, grandchild
+    victim = procs[ranks.index(1)]
+    victim.kill()
+    killed_at = time.monotonic()
+    for proc in procs:
+        if proc is victim:
+            continue
+        assert proc.wait_exit(timeout=TTL + 2 + GRACE + 10) == 5, proc.stderr[-3:]
+        assert proc.exited_at is not None and proc.exited_at - killed_at < TTL + 2 + GRACE
+        failed = proc.wait_event(lambda e: e["event"] == "failed")
+        assert failed["error"] == "MemberLost" and "member rank 1 " in failed["message"]
+    wait_until(lambda: gone(pids), 10, "every process of every member to end")
+    wait_until(lambda: rendezvous_keys(etcd, "blocked") == [], TTL + 5, "no rendezvous key")
+
+
+def test_a_program_exiting_7_on_rank_1_fails_the_run_naming_both(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, launch: Callable[..., Run]
+) -> None:
+    code = "import os, sys; sys.exit(7 if os.environ['RANK'] == '1' else 0)"
+    run = launch(
+        ["run", "--workers", "3", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
+         "--job", "seven", "--ttl", str(TTL), "--", sys.executable, "-c", code]
+    )  # fmt: skip
+    assert run.wait(60) == 9  # ProgramFailed: the cause, not the others' MemberLost
+    report = "\n".join(run.stderr)
+    assert re.search(r"\(rank 1\) exited 9:.*rank 1: the program exited with code 7", report)
+    assert report.count("exited 5:") == 2  # the others lost rank 1
+    assert rendezvous_keys(etcd, "seven") == []
+
+
+@pytest.mark.parametrize(
+    ("program", "cause"),
+    [
+        ([], "the program is empty"),
+        (["no-such-program-4711"], "'no-such-program-4711' is not found"),
+    ],
+    ids=["empty", "missing"],
+)
+def test_a_bad_program_fails_every_member_before_it_joins(
+    program: list[str],
+    cause: str,
+    etcd_server: EmbeddedEtcd,
+    etcd: Etcd,
+    spawn: Callable[[list[str]], Proc],
+    launch: Callable[..., Run],
+) -> None:
+    procs = [spawn(command_worker(etcd_server, etcd, "bad", 3, program)) for _ in range(3)]
+    for proc in procs:
+        assert proc.wait_exit(timeout=30) == 2
+        failed = proc.wait_event(lambda e: e["event"] == "failed")
+        assert failed["phase"] == "init" and cause in failed["message"], failed
+    assert etcd.get_prefix(etcd.namespace + "/")[0] == []
+    run = launch(["run", "--workers", "2", "--etcd", etcd_server.endpoint, "--", *program])
+    assert run.wait(30) == 2
+    assert "\n".join(run.stderr).count(cause) >= 2
+
+
+def test_sigterm_to_a_member_reaches_its_program_and_it_leaves_cleanly(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    os.environ["PIDS_DIR"] = str(tmp_path)
+    try:
+        program = [sys.executable, str(PROGRAMS / "trap_sigterm.py")]
+        args = command_worker(etcd_server, etcd, "term", 2, program, ttl=TTL)
+        procs = [spawn(args) for _ in range(2)]
+    finally:
+        del os.environ["PIDS_DIR"]
+    ranks = [p.wait_event(lambda e: e.get("phase") == "connect", 60)["rank"] for p in procs]
+    wait_until(lambda: all((tmp_path / f"rank{r}").exists() for r in range(2)), 60, "programs")
+    pids = [pid for p in procs for pid in tree(p.process.pid)]
+    target, other = procs[ranks.index(0)], procs[ranks.index(1)]
+    target.process.send_signal(signal.SIGTERM)
+    signalled_at = time.monotonic()
+    assert target.wait_exit(timeout=GRACE + 10) == 130
+    # Its grandchild ignores SIGTERM: the member waited the grace, then SIGKILLed the group.
+    assert target.exited_at is not None and target.exited_at - signalled_at < GRACE + 3
+    assert (tmp_path / "sigterm0").read_text() == "got SIGTERM\n"
+    failed = target.wait_event(lambda e: e["event"] == "failed")
+    assert failed["error"] == "Terminated"
+    # The member left: the other saw it go at once (no lease to wait for), and stopped.
+    assert other.wait_exit(timeout=GRACE + 10) == 5
+    assert "member rank 0 " in other.wait_event(lambda e: e["event"] == "failed")["message"]
+    wait_until(lambda: gone(pids), 10, "every process of both members to end")
+    assert rendezvous_keys(etcd, "term") == []
