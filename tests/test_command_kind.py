@@ -359,3 +359,18 @@ def test_sigterm_to_a_member_reaches_its_program_and_it_leaves_cleanly(
     assert "member rank 0 " in other.wait_event(lambda e: e["event"] == "failed")["message"]
     wait_until(lambda: gone(pids), 10, "every process of both members to end")
     assert rendezvous_keys(etcd, "term") == []
+
+
+def test_a_program_after_dashes_means_kind_command_and_the_cause_sets_the_run_code() -> None:
+    import typer
+
+    from coordinator.cli.members import member_kind, run_exit_code
+
+    assert member_kind(None, ["python", "x.py"], default=None) == "command"
+    assert member_kind("command", [], default=None) == "command"
+    assert member_kind("xgboost", None, default=None) == "xgboost"
+    assert member_kind(None, None, default="noop") == "noop"
+    for given, program in (("xgboost", ["python"]), (None, None)):
+        with pytest.raises(typer.BadParameter):
+            member_kind(given, program, default=None)
+    assert run_exit_code([5, 9, 5]) == 9 and run_exit_code([5, 5]) == 5

@@ -1,0 +1,267 @@
+"""Ours against torchrun, running a user's program: start-up, and stopping after a lost peer.
+
+* Start-up: the time from launch until every rank's program has printed its first
+  line, at N = 4, 8, 16: `coordinator run --workers N -- PROGRAM` (with an etcd
+  already running, as a deployment has) against N `torchrun --nnodes N
+  --nproc-per-node 1 --rdzv-backend c10d` agents on loopback, started together.
+* A lost peer, mid-all_reduce (tests/programs/block_in_allreduce.py: every rank but
+  1 blocks in an all_reduce that rank 1 never joins), N = 4: the time from losing
+  rank 1's node until every other node has stopped. Two ways to lose it:
+  `kill` (SIGKILL its member, or its torchrun agent and worker: the sockets close)
+  and `freeze` (SIGSTOP them: a hung machine, whose sockets stay open). Waits are
+  capped at 120 s ("> 120 s").
+
+Only loopback is contacted; every process started is stopped by its pid at the end.
+Run: `python bench/command.py [--sizes 4,8,16] [--ttl 5]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from coordinator.etcd.server import EmbeddedEtcd, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = ROOT / "tests" / "programs" / "block_in_allreduce.py"
+FIRST_LINE = [sys.executable, "-c", "import os; print('first line of rank', os.environ['RANK'])"]
+CAP = 120.0
+PIDS_DIR = tempfile.mkdtemp(prefix="bench-command-")  # where the blocking program notes pids
+
+
+class Started:
+    """Processes started by the bench, each in a session of its own; stopped by pid."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen[str]] = []
+
+    def start(
+        self,
+        args: list[str],
+        on_line: Callable[[int, str], None],
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        index = len(self.processes)
+        self.processes.append(process)
+
+        def read() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                on_line(index, line.rstrip("\n"))
+
+        threading.Thread(target=read, daemon=True).start()
+        return process
+
+    def wait(self, event: threading.Event, timeout: float) -> bool:
+        """Wait for `event`; False at the deadline, or as soon as every process has exited."""
+        deadline = time.monotonic() + timeout
+        while not event.wait(0.1):
+            if time.monotonic() > deadline or all(p.poll() is not None for p in self.processes):
+                return event.is_set()
+        return True
+
+    def tree(self, process: subprocess.Popen[str]) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop_all(self) -> None:
+        doomed = [p for process in self.processes for p in self.tree(process)]
+        for p in doomed:
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for process in self.processes:
+            process.wait()
+        self.processes.clear()
+
+
+class FirstLines:
+    """When each rank's first program line arrived (monotonic)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen, self.done = n, {}, threading.Event()
+        self.lock = threading.Lock()
+
+    def line(self, index: int, text: str) -> None:
+        if "first line of rank" not in text:
+            return
+        rank = int(text.rsplit(" ", 1)[1])
+        with self.lock:
+            self.seen.setdefault(rank, time.monotonic())
+            if len(self.seen) == self.n:
+                self.done.set()
+
+
+def torchrun_args(n: int, port: int, program: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n),
+        "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench{port}", "--no-python",
+        *program,
+    ]  # fmt: skip
+
+
+def startup_ours(etcd: EmbeddedEtcd, n: int) -> float:
+    started, lines = Started(), FirstLines(n)
+    began = time.monotonic()
+    try:
+        started.start(
+            [sys.executable, "-m", "coordinator", "run", "--workers", str(n), "--etcd",
+             etcd.endpoint, "--namespace", f"/bench-{n}-{free_port()}", "--", *FIRST_LINE],
+            lines.line,
+        )  # fmt: skip
+        return (max(lines.seen.values()) - began) if started.wait(lines.done, CAP) else float("inf")
+    finally:
+        started.stop_all()
+
+
+def startup_torchrun(n: int) -> float:
+    started, lines = Started(), FirstLines(n)
+    port = free_port()
+    began = time.monotonic()
+    try:
+        for _ in range(n):
+            started.start(torchrun_args(n, port, FIRST_LINE), lines.line)
+        return (max(lines.seen.values()) - began) if started.wait(lines.done, CAP) else float("inf")
+    finally:
+        started.stop_all()
+
+
+def lost_peer(
+    n: int, how: str, launch: Callable[[Started, int, Callable[[int, str], None]], list[int]]
+) -> float:
+    """Start n nodes, wait until all but rank 1 block in all_reduce, lose rank 1's node,
+    and time until every other node's process has ended."""
+    started = Started()
+    blocked: set[int] = set()
+    ready = threading.Event()
+
+    def on_line(index: int, text: str) -> None:
+        if "entering all_reduce" in text or "rank 1 idle" in text:
+            blocked.add(index)
+            if len(blocked) == n:
+                ready.set()
+
+    try:
+        ranks = launch(started, n, on_line)
+        if not started.wait(ready, CAP):
+            raise RuntimeError(f"the {n} programs did not all reach their all_reduce")
+        victim = started.processes[ranks.index(1)]
+        doomed = started.tree(victim)
+        began = time.monotonic()
+        for p in doomed:
+            p.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        others = [p for i, p in enumerate(started.processes) if ranks[i] != 1]
+        deadline = began + CAP
+        for process in others:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return float("inf")
+        return time.monotonic() - began
+    finally:
+        started.stop_all()
+
+
+def launch_ours(etcd: EmbeddedEtcd, ttl: int) -> Callable[[Started, int, Callable], list[int]]:
+    def launch(started: Started, n: int, on_line: Callable[[int, str], None]) -> list[int]:
+        ranks: dict[int, int] = {}
+
+        def line(index: int, text: str) -> None:
+            if '"phase": "leader_election"' in text:
+                ranks[index] = int(text.split('"rank": ')[1].split("}")[0].split(",")[0])
+            on_line(index, text)
+
+        namespace = f"/bench-lost-{free_port()}"
+        for _ in range(n):
+            started.start(
+                [sys.executable, "-m", "coordinator", "worker", "--job", "lost", "--world-size",
+                 str(n), "--etcd", etcd.endpoint, "--namespace", namespace, "--ttl", str(ttl),
+                 "--kind", "command", "--", sys.executable, str(BLOCK)],
+                line,
+                env={"PIDS_DIR": PIDS_DIR},
+            )  # fmt: skip
+        deadline = time.monotonic() + CAP
+        while len(ranks) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [ranks[i] for i in range(n)]
+
+    return launch
+
+
+def launch_torchrun(started: Started, n: int, on_line: Callable[[int, str], None]) -> list[int]:
+    ranks: dict[int, int] = {}
+
+    def line(index: int, text: str) -> None:
+        if text.startswith("rank "):
+            ranks[index] = int(text.split()[1])
+        on_line(index, text)
+
+    port = free_port()
+    for _ in range(n):
+        started.start(
+            torchrun_args(n, port, [sys.executable, str(BLOCK)]), line, env={"PIDS_DIR": PIDS_DIR}
+        )
+    deadline = time.monotonic() + CAP
+    while len(ranks) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [ranks[i] for i in range(n)]
+
+
+def seconds(value: float) -> str:
+    return f"> {CAP:g} s" if value == float("inf") else f"{value:.2f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4,8,16")
+    parser.add_argument("--ttl", type=int, default=5, help="our lease TTL in the lost-peer runs")
+    parser.add_argument("--lost-n", type=int, default=4)
+    args = parser.parse_args()
+    os.umask(0o077)
+    with EmbeddedEtcd() as etcd:
+        etcd.security.export()
+        print("start-up: launch until every rank's first program line")
+        print(f"{'N':>4} {'ours':>10} {'torchrun':>10} {'torchrun/ours':>14}")
+        for n in map(int, args.sizes.split(",")):
+            ours, theirs = startup_ours(etcd, n), startup_torchrun(n)
+            print(f"{n:>4} {seconds(ours):>10} {seconds(theirs):>10} {theirs / ours:>14.2f}")
+        n = args.lost_n
+        print(
+            f"lost peer mid-all_reduce, N={n}: until every survivor stopped (ours: TTL {args.ttl}s,"
+        )
+        print("grace 10 s; torchrun: its defaults)")
+        for how in ("kill", "freeze"):
+            ours = lost_peer(n, how, launch_ours(etcd, args.ttl))
+            theirs = lost_peer(n, how, launch_torchrun)
+            ratio = "" if ours == float("inf") else f"{min(theirs, CAP) / ours:.1f}x"
+            print(f"{how:>6} ours {seconds(ours):>10}  torchrun {seconds(theirs):>10}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()
