@@ -1,6 +1,6 @@
 """Who is where: read the roster file `coordinator run -- ...` gives each member.
 
-    coordinator run --workers 3 -- python examples/roster.py
+coordinator run --workers 3 -- python examples/roster.py
 """
 
 import json
