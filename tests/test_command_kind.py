@@ -374,3 +374,18 @@ def test_a_program_after_dashes_means_kind_command_and_the_cause_sets_the_run_co
         with pytest.raises(typer.BadParameter):
             member_kind(given, program, default=None)
     assert run_exit_code([5, 9, 5]) == 9 and run_exit_code([5, 5]) == 5
+
+
+def test_published_ports_are_checked_before_use() -> None:
+    """The reserved ports come from keys any member of the job may write: a rank out of
+    range or a value that is no port is refused, naming the key."""
+    from coordinator.etcd.client import KeyValue
+    from coordinator.jobs.command import published_ports
+
+    def kv(rank: str, port: str) -> KeyValue:
+        return KeyValue(f"/ns/jobs/j/command/5/ports/{rank}", port.encode(), 1, 1, 0)
+
+    assert published_ports([kv("000000", "4000"), kv("000001", "4001")], 2) == {0: 4000, 1: 4001}
+    for bad in (kv("000002", "4000"), kv("000000", "70000"), kv("x", "1"), kv("000000", "-1")):
+        with pytest.raises(RuntimeError, match="/ns/jobs/j/command/5/ports/"):
+            published_ports([bad], 2)

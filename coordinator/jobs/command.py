@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.etcd.client import KeyValue
 from coordinator.jobs.environment import describe_status, program_environment, roster_document
 from coordinator.jobs.params import artifacts_dir, check_known, float_param
 from coordinator.jobs.program import ProgramGroup
@@ -58,6 +59,21 @@ def check_program(program: Sequence[str]) -> list[str]:
             f"{JOB} job: program {program[0]!r} is not found on PATH or is not executable"
         )
     return program
+
+
+def published_ports(kvs: Sequence[KeyValue], world_size: int) -> dict[int, int]:
+    """rank -> reserved port, from the keys the members published; anything else there
+    (a rank out of range, a port that is not one) is refused, naming the key."""
+    ports: dict[int, int] = {}
+    for kv in kvs:
+        name, value = kv.key.rsplit("/", 1)[1], kv.value.decode(errors="replace")
+        if not (name.isdigit() and value.isdigit()):
+            raise RuntimeError(f"{kv.key}: not a rank and a port ({value[:20]!r})")
+        rank, port = int(name), int(value)
+        if rank >= world_size or not 0 < port < 65536:
+            raise RuntimeError(f"{kv.key}: rank {rank} or port {port} out of range")
+        ports[rank] = port
+    return ports
 
 
 class CommandJob:
@@ -105,7 +121,7 @@ class CommandJob:
         roster, rank = member.roster, member.rank
         assert roster is not None and rank is not None
         kvs, _ = member.etcd.get_prefix(self._ports_key(member))
-        ports = {int(kv.key.rsplit("/", 1)[1]): int(kv.value) for kv in kvs}
+        ports = published_ports(kvs, self.world_size)
         missing = sorted(set(range(self.world_size)) - set(ports))
         if missing:
             raise RuntimeError(f"ranks {missing} published no reserved port before connect")
