@@ -332,12 +332,12 @@ def test_the_generated_token_file_is_private_kept_and_linked_in_the_fragment_onl
     assert token is not None and len(token) >= 32
     link = first.dashboard_link()
     assert link == f"{first.url}/#token={token}" and "?" not in link
-    for made in ("artifacts", "data"):  # serve's umask: private
+    for made in ("artifacts", "data", "work"):  # serve's umask: private
         assert (data / made).stat().st_mode & 0o077 == 0, made
     with unauthenticated(first) as http:
         assert http.get("/v1/jobs").status_code == 401
         assert http.get("/v1/whoami").json() == {"role": "none", "auth": True}
-    assert first.http.get("/v1/whoami").json() == {"role": "submit", "auth": True}
+    assert first.http.get("/v1/whoami").json() == {"role": "exec", "auth": True}
     first.stop()
     second = serve(data=data)  # a restart keeps the token its users have
     assert second.generated_token() == token

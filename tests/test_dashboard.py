@@ -85,7 +85,7 @@ def signed_in(
     to `route` within the page."""
     page = pages("about:blank", **kw)
     page.sign_in(service.dashboard_link(), route)
-    expect(page.page.locator("body")).to_have_attribute("data-role", "submit")
+    expect(page.page.locator("body")).to_have_attribute("data-role", "exec")
     return page
 
 
@@ -375,7 +375,7 @@ def test_the_printed_link_signs_in_and_the_token_leaves_the_address_bar(
     link = service.dashboard_link()
     assert link == f"{service.url}/#token={token}"  # in the fragment: never sent to a server
     page = pages(link)
-    expect(page.page.locator("body")).to_have_attribute("data-role", "submit")
+    expect(page.page.locator("body")).to_have_attribute("data-role", "exec")
     expect(page.page.locator("table#jobs")).to_be_visible()
     assert page.page.url == f"{service.url}/#/"  # out of the address bar...
     stored = page.page.evaluate("() => Object.values(sessionStorage)")

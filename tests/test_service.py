@@ -74,12 +74,14 @@ class ServiceProc:
         return self
 
     def generated_token(self) -> str | None:
-        """The submit token of `<data>/api-token`, which serve makes without --token-file."""
+        """The exec token of `<data>/api-token`, which serve makes without --token-file."""
         path = self.data / "api-token"
         if not path.exists():
             return None
         return next(
-            line.split()[1] for line in path.read_text().splitlines() if line.startswith("submit ")
+            line.split()[1]
+            for line in path.read_text().splitlines()
+            if line.startswith(("exec ", "submit "))
         )
 
     def dashboard_link(self) -> str:

@@ -53,6 +53,14 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    working_dir_root: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="COORDINATOR_WORKING_DIR_ROOT",
+            help="the folder command jobs' working_dir must be in [DATA_DIR/work]",
+            show_default=False,
+        ),
+    ] = None,
     max_workers: Annotated[
         int, typer.Option(min=1, help="worker slots: jobs queue until theirs are free")
     ] = max(2, 2 * (os.cpu_count() or 1)),
@@ -62,7 +70,7 @@ def serve(
         Path | None,
         typer.Option(
             envvar="COORDINATOR_TOKEN_FILE",
-            help="lines of '<read|submit> <token>', mode 0600 [made: DATA_DIR/api-token]",
+            help="lines of '<read|submit|exec> <token>', mode 0600 [made: DATA_DIR/api-token]",
         ),
     ] = None,
     insecure: Annotated[
@@ -172,6 +180,7 @@ def serve(
     roots = {
         "COORDINATOR_DATA_ROOT": (data_root or data_dir / "data").absolute(),
         "COORDINATOR_ARTIFACTS_ROOT": (artifacts_root or Path(default_artifacts)).absolute(),
+        "COORDINATOR_WORKING_DIR_ROOT": (working_dir_root or data_dir / "work").absolute(),
     }
     for name, root in roots.items():
         try:

@@ -28,12 +28,20 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.etcd.client import KeyValue
-from coordinator.jobs.environment import describe_status, program_environment, roster_document
+from coordinator.jobs.environment import (
+    PROGRAM_DIR,
+    PROGRAM_ENV,
+    WORKING_DIR_ROOT_ENV,
+    check_program_env,
+    describe_status,
+    program_environment,
+    roster_document,
+)
 from coordinator.jobs.params import artifacts_dir, check_known, float_param
 from coordinator.jobs.program import ProgramGroup
 from coordinator.rendezvous.errors import ProgramFailed, RendezvousError
@@ -61,6 +69,35 @@ def check_program(program: Sequence[str]) -> list[str]:
     return program
 
 
+def program_extras(environ: Mapping[str, str]) -> tuple[dict[str, str], Path | None]:
+    """The program's extra variables and folder, as the service passed them in the member's
+    environment, checked again here: names the member does not set itself, and a folder
+    that (links resolved) is an existing one under $COORDINATOR_WORKING_DIR_ROOT (several
+    roots separated by os.pathsep). ValueError names the problem, never a value."""
+    extra: dict[str, str] = {}
+    if environ.get(PROGRAM_ENV):
+        try:
+            loaded = json.loads(environ[PROGRAM_ENV])
+        except ValueError:
+            raise ValueError(f"{JOB} job: ${PROGRAM_ENV} is not JSON") from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, str) for v in loaded.values()):
+            raise ValueError(f"{JOB} job: ${PROGRAM_ENV} is not a map of names to text")
+        extra = check_program_env(loaded)
+    folder = environ.get(PROGRAM_DIR)
+    if not folder:
+        return extra, None
+    roots = [r for r in environ.get(WORKING_DIR_ROOT_ENV, "").split(os.pathsep) if r]
+    resolved = Path(os.path.realpath(folder))
+    inside = [r for r in roots if resolved.is_relative_to(os.path.realpath(r))]
+    if not os.path.isabs(folder) or not inside:
+        raise ValueError(
+            f"{JOB} job: working_dir {folder!r} is not under ${WORKING_DIR_ROOT_ENV} {roots}"
+        )
+    if not resolved.is_dir():
+        raise ValueError(f"{JOB} job: working_dir {folder!r} is not a folder")
+    return extra, resolved
+
+
 def published_ports(kvs: Sequence[KeyValue], world_size: int) -> dict[int, int]:
     """rank -> reserved port, from the keys the members published; anything else there
     (a rank out of range, a port that is not one) is refused, naming the key."""
@@ -86,6 +123,7 @@ class CommandJob:
         #: How long stopping the program may take; the worker's watchdog waits this much more.
         self.stop_grace = float_param(JOB, params, "grace_seconds", DEFAULT_GRACE)
         self.artifacts_root = artifacts_dir(JOB, params)
+        self.extra_env, self.working_dir = program_extras(os.environ)
         #: The `training` barrier waits for the slowest program, as torchrun does
         #: (a lost member still ends the wait at once).
         self.training_timeout = float("inf")
@@ -132,8 +170,9 @@ class CommandJob:
         fd = os.open(roster_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(roster_document(roster, ports), handle, indent=1)
+        base = {k: v for k, v in os.environ.items() if k not in (PROGRAM_ENV, PROGRAM_DIR)}
         env = program_environment(
-            os.environ,
+            {**base, **self.extra_env},
             roster=roster,
             rank=rank,
             ports=ports,
@@ -144,7 +183,7 @@ class CommandJob:
         )
         self._release_port()  # free when the program starts
         member.phase = "program"
-        return self._supervise(member, ProgramGroup(self.program, env))
+        return self._supervise(member, ProgramGroup(self.program, env, self.working_dir))
 
     def _supervise(self, member: Member, group: ProgramGroup) -> dict[str, object]:
         self._group = group

@@ -8,6 +8,7 @@ built from `model_dump`, which leaves it out.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,36 @@ CONTRACT = (
     "COORDINATOR_JOB", "COORDINATOR_RANK", "COORDINATOR_WORLD_SIZE", "COORDINATOR_ROSTER",
     "COORDINATOR_ARTIFACTS", "COORDINATOR_ETCD", "COORDINATOR_NAMESPACE",
 )  # fmt: skip
+
+
+#: How the service hands a `command` member its program's extra variables (JSON) and
+#: folder: through the member's environment, never argv (values may be secrets). The
+#: member takes both out before anything else sees its environment.
+PROGRAM_ENV = "COORDINATOR_PROGRAM_ENV"
+PROGRAM_DIR = "COORDINATOR_PROGRAM_DIR"
+#: Where a program's folder must lie (os.pathsep between several), set by `serve`.
+WORKING_DIR_ROOT_ENV = "COORDINATOR_WORKING_DIR_ROOT"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_ENV_ENTRIES = 128
+MAX_ENV_VALUE = 8192
+
+
+def check_program_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A submitted program's variables, or ValueError naming the bad ones: valid names,
+    bounded, and none the member sets itself (the contract, COORDINATOR_*)."""
+    if len(env) > MAX_ENV_ENTRIES:
+        raise ValueError(f"at most {MAX_ENV_ENTRIES} variables")
+    bad = [name for name in env if not ENV_NAME.match(name)]
+    if bad:
+        raise ValueError(f"not variable names: {', '.join(repr(n[:40]) for n in bad[:5])}")
+    reserved = sorted(n for n in env if n in CONTRACT or n.startswith("COORDINATOR_"))
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)}: set by the member itself (see the contract)")
+    long = [name for name, value in env.items() if not isinstance(value, str) or "\0" in value
+            or len(value) > MAX_ENV_VALUE]  # fmt: skip
+    if long:
+        raise ValueError(f"{', '.join(long)}: values are text of at most {MAX_ENV_VALUE} chars")
+    return dict(env)
 
 
 def local_ranks(roster: Roster, rank: int) -> tuple[int, int]:

@@ -24,10 +24,13 @@ _POLL = 0.02  # seconds between checks that a stopped group is empty
 class ProgramGroup:
     """One running program (under its reaper), in a process group of its own."""
 
-    def __init__(self, program: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, program: Sequence[str], env: Mapping[str, str], cwd: Path | None = None
+    ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *program],
             env=dict(env),
+            cwd=cwd,
             start_new_session=True,  # its own group: signals reach the whole program
         )
         self.pgid = self.process.pid

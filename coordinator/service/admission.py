@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV, shape_only
+from coordinator.jobs import COMMAND
+from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
+from coordinator.service.model import JobSpec
 
 DATA_FIELDS = ("data", "eval_data")
 ARTIFACTS_FIELD = "artifacts"
@@ -45,18 +48,54 @@ class Roots:
 
     data: Path
     artifacts: Path
+    working_dir: Path = Path(os.path.realpath("work"))
 
     @classmethod
-    def of(cls, data: Path, artifacts: Path) -> Roots:
-        return cls(Path(os.path.realpath(data)), Path(os.path.realpath(artifacts)))
+    def of(cls, data: Path, artifacts: Path, working_dir: Path | None = None) -> Roots:
+        work = Path(os.path.realpath(working_dir or "work"))
+        return cls(Path(os.path.realpath(data)), Path(os.path.realpath(artifacts)), work)
 
     @classmethod
     def from_environment(cls) -> Roots:
-        """The roots `coordinator serve` exported for its members (else ./data, ./artifacts)."""
+        """The roots `coordinator serve` exported for its members (else ./data, ./artifacts,
+        ./work)."""
         return cls.of(
             Path(os.environ.get(DATA_ROOT_ENV) or "data"),
             Path(os.environ.get(ARTIFACTS_ROOT_ENV) or "artifacts"),
+            Path(os.environ.get(WORKING_DIR_ROOT_ENV) or "work"),
         )
+
+
+#: The launchers that can run a `command` job's program (docker and kubernetes: not yet).
+COMMAND_LAUNCHERS = ("local", "agents")
+COMMAND_FIELDS = ("command", "env", "working_dir")
+
+
+def admit_command(spec: JobSpec, roots: Roots) -> JobSpec:
+    """The spec with its working_dir made absolute under its root; Refused naming the field
+    for a `command` job without a program, on a launcher that cannot run one, with a folder
+    outside the root, or another kind's spec that carries the command fields."""
+    if spec.kind != COMMAND:
+        for name in COMMAND_FIELDS:
+            if name in spec.model_fields_set and getattr(spec, name):
+                raise Refused(name, f"{name}: only a {COMMAND} job takes it, not {spec.kind}")
+        return spec
+    if not spec.command or not spec.command[0].strip():
+        raise Refused("command", f"command: a {COMMAND} job needs a program: [PROGRAM, ARGS...]")
+    if spec.launcher not in COMMAND_LAUNCHERS:
+        raise Refused(
+            "launcher",
+            f"launcher {spec.launcher}: a {COMMAND} job runs on {' or '.join(COMMAND_LAUNCHERS)}",
+        )
+    if spec.working_dir is None:
+        return spec
+    try:
+        folder = confine("working_dir", spec.working_dir, roots.working_dir)
+    except Refused as exc:
+        raise Refused("working_dir", str(exc)) from None
+    if any(char in folder for char in _GLOB_CHARS):
+        raise Refused("working_dir", f"working_dir: {spec.working_dir!r}: no globs in a folder")
+    return spec.model_copy(update={"working_dir": folder})
 
 
 def admit_params(kind: str, params: dict[str, str], roots: Roots) -> dict[str, str]:
@@ -98,6 +137,12 @@ def check_kind(kind: str, params: dict[str, str], workers: int) -> None:
             data = params.get("data", MNIST_BUILTIN)
             parse_mnist_job({**params, "data": MNIST_BUILTIN} if data != MNIST_BUILTIN else params,
                             workers)  # fmt: skip
+        elif kind == COMMAND:
+            from coordinator.jobs.command import JOB, PARAMS
+            from coordinator.jobs.params import check_known, float_param
+
+            check_known(JOB, params, PARAMS)  # the program is the member's to find
+            float_param(JOB, params, "grace_seconds", 0.0)
         else:
             JOB_KINDS[kind](params, workers).close()
 

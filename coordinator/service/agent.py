@@ -46,6 +46,8 @@ from pydantic import ValidationError
 
 from coordinator.etcd.client import Delete, Etcd, EtcdError, Put, WatchEvent
 from coordinator.etcd.session import Session
+from coordinator.jobs import COMMAND
+from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.rendezvous.address import advertise_address
 from coordinator.service.agent_keys import (
     Assignment,
@@ -94,8 +96,16 @@ class Agent:
     def __init__(self, etcd: Etcd, options: AgentOptions) -> None:
         self.etcd, self.options = etcd, options
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # A command job's folder: in the data dir, or a root the agent's operator set.
+        self.working_dir_roots = [
+            str(options.data_dir.resolve()),
+            *(r for r in os.environ.get(WORKING_DIR_ROOT_ENV, "").split(os.pathsep) if r),
+        ]
         self.launcher = LocalLauncher(
-            options.data_dir / "logs", die_with_parent=True, workdir=options.data_dir
+            options.data_dir / "logs",
+            die_with_parent=True,
+            workdir=options.data_dir,
+            extra_env={WORKING_DIR_ROOT_ENV: os.pathsep.join(self.working_dir_roots)},
         )
         self.members: dict[str, Running] = {}  # member name -> what runs (or ran)
         self.assignments = assignments_prefix(etcd, options.agent_id)
@@ -154,7 +164,12 @@ class Agent:
             running = self.members.get(name)
         try:
             assignment = Assignment.model_validate_json(
-                value, context={"namespace": self.etcd.namespace, "data_dir": self.options.data_dir}
+                value,
+                context={
+                    "namespace": self.etcd.namespace,
+                    "data_dir": self.options.data_dir,
+                    "working_dir_roots": self.working_dir_roots,
+                },
             )
             if name != member_name(assignment.run_id, assignment.attempt, assignment.index):
                 raise ValueError(f"the key names {name!r}, not the member the value describes")
@@ -178,11 +193,23 @@ class Agent:
             self._ended(name, Member(index=assignment.index), VANISHED)
             return
         credentials = assignment.credentials
+        args = with_etcd(assignment.worker_args, ",".join(self.etcd.urls))
+        # The local launcher reads only the args, and a command's env and folder.
+        spec = JobSpec(kind="noop", workers=1)
+        if assignment.command is not None:
+            args += ["--", *assignment.command]
+            spec = JobSpec(
+                kind=COMMAND,
+                workers=1,
+                command=assignment.command,
+                env=assignment.env,
+                working_dir=assignment.working_dir,
+            )
         launch = Launch(
             run_id=assignment.run_id,
             attempt=assignment.attempt,
-            spec=JobSpec(kind="noop", workers=1),  # the local launcher reads only the args
-            worker_args=with_etcd(assignment.worker_args, ",".join(self.etcd.urls)),
+            spec=spec,
+            worker_args=args,
             credentials=credentials.credentials() if credentials is not None else None,
         )
         member = self.launcher.start(launch, assignment.index)

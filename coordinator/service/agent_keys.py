@@ -5,7 +5,8 @@ models every value read from them must pass: neither side trusts what it reads.
   bound to the agent's lease; created only if absent, so two live agents never
   share an id. `token` is the bearer token its output server asks for.
 - `assignments/<id>/<member>`: an `Assignment`, a member the service placed on that
-  agent (`{run_id, attempt, index, worker_args, credentials}`, and `stop` once the
+  agent (`{run_id, attempt, index, worker_args, credentials}`, with `command`, `env`
+  and `working_dir` for a command job, and `stop` once the
   service wants it stopped), bound to the agent's lease. The agent deletes it when
   the member ends, so the assignments under an agent are its slots in use.
 - `reports/<id>/<member>`: a `Report`, the member as its agent saw it last
@@ -19,6 +20,7 @@ Each agent's etcd user may touch only its own three (`coordinator.etcd.users`).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -27,8 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.users import Credentials, job_user
-from coordinator.jobs import JOB_KINDS
-from coordinator.service.model import ID_PATTERN
+from coordinator.jobs import COMMAND, JOB_KINDS
+from coordinator.jobs.environment import check_program_env
+from coordinator.service.model import ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
 
 RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + r"-[A-Za-z0-9]{1,32}$"
 ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253}):(?P<port>\d{1,5})$")
@@ -117,6 +120,32 @@ class Assignment(BaseModel):
     worker_args: Annotated[list[Annotated[str, Field(max_length=4096)]], Field(max_length=512)]
     credentials: AssignedCredentials | None = None
     stop: Literal["SIGTERM", "SIGKILL"] | None = None
+    # The command kind only: the program (run after `--`), its variables and its folder.
+    command: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS)]] | None,
+        Field(min_length=1, max_length=MAX_ARGS),
+    ] = None
+    env: dict[str, str] = Field(default_factory=dict)
+    working_dir: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_program_env(value)
+
+    @field_validator("working_dir")
+    @classmethod
+    def _working_dir_inside(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Inside the agent's data dir or one of its configured working-dir roots."""
+        roots = (info.context or {}).get("working_dir_roots")
+        if value is None or roots is None:
+            return value
+        if not os.path.isabs(value):
+            raise ValueError(f"working_dir {value!r} is not an absolute path")
+        resolved = Path(os.path.realpath(value))
+        if not any(resolved.is_relative_to(os.path.realpath(root)) for root in roots):
+            raise ValueError(f"working_dir {value!r} is outside the agent's roots")
+        return value
 
     def option(self, name: str) -> str:
         """The value of a single option of `worker_args` (validated: it is there)."""
@@ -144,7 +173,7 @@ class Assignment(BaseModel):
             values["--ttl"].isdigit() and 2 <= int(values["--ttl"]) <= 3600
         ):
             raise ValueError("--ttl must be a whole number of seconds, 2..3600")
-        if values.get("--kind", "noop") not in JOB_KINDS:
+        if values.get("--kind", "noop") not in (*JOB_KINDS, COMMAND):
             raise ValueError(f"--kind {values['--kind']!r} is not a job kind")
         context = info.context or {}
         namespace = context.get("namespace")
@@ -167,6 +196,11 @@ class Assignment(BaseModel):
             raise ValueError(f"run_id {self.run_id!r} is not of job {job!r}")
         if self.index >= int(self.option("--world-size")):
             raise ValueError(f"index {self.index} is not below --world-size")
+        is_command = dict(_pairs(self.worker_args)).get("--kind") == COMMAND
+        if is_command != (self.command is not None):
+            raise ValueError(f"a command is given with --kind {COMMAND} only, and it needs one")
+        if not is_command and (self.env or self.working_dir):
+            raise ValueError(f"env and working_dir are for --kind {COMMAND} only")
         if self.credentials is not None:
             expected = job_user(_namespace(dict(_pairs(self.worker_args))), job)
             if self.credentials.user != expected:

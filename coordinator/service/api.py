@@ -22,8 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
-from coordinator.jobs import JOB_KINDS
-from coordinator.service.admission import Refused, Roots, admit_params, check_kind
+from coordinator.jobs import COMMAND, JOB_KINDS
+from coordinator.service.admission import (
+    Refused,
+    Roots,
+    admit_command,
+    admit_params,
+    check_kind,
+)
 from coordinator.service.auth import Role, Tokens
 from coordinator.service.boundary import ROLE_KEY, Boundary, document_refusals
 from coordinator.service.dashboard import add_dashboard
@@ -117,8 +123,8 @@ def create_app(context: ApiContext) -> FastAPI:
                 raise HTTPException(
                     401, "a valid bearer token is required", {"WWW-Authenticate": "Bearer"}
                 )
-            if needed == Role.SUBMIT and granted != Role.SUBMIT:
-                raise HTTPException(403, "this token may only read")
+            if not granted.covers(needed):
+                raise HTTPException(403, f"this token's role is {granted}; this needs {needed}")
 
         return check
 
@@ -137,9 +143,13 @@ def create_app(context: ApiContext) -> FastAPI:
             409: {"description": "the id is taken by a job with another spec"},
         },
     )
-    def submit(spec: JobSpec, response: Response) -> JobRecord:
+    def submit(spec: JobSpec, request: Request, response: Response) -> JobRecord:
         """Submit a job. Safe to retry: the same id with the same spec gives the same job
-        (200); with another spec, 409."""
+        (200); with another spec, 409. A `command` job (any program) needs an exec token."""
+        granted = request.scope.get(ROLE_KEY)
+        if spec.kind == COMMAND and not (granted is not None and granted.covers(Role.EXEC)):
+            context.metrics.submissions.labels("invalid").inc()
+            raise HTTPException(403, f"a {COMMAND} job runs any program: it needs the exec role")
         try:
             spec = check_spec(spec, context)
         except HTTPException:
@@ -304,8 +314,9 @@ def create_app(context: ApiContext) -> FastAPI:
 def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
     """The spec with its id, or a 422 naming the field: the kind's own parameter checks
     run here, so a bad job is refused before anything starts."""
-    if spec.kind not in JOB_KINDS:
-        raise invalid(["kind"], f"unknown job kind {spec.kind!r} (known: {', '.join(JOB_KINDS)})")
+    if spec.kind not in JOB_KINDS and spec.kind != COMMAND:
+        known = ", ".join([*JOB_KINDS, COMMAND])
+        raise invalid(["kind"], f"unknown job kind {spec.kind!r} (known: {known})")
     if "launcher" not in spec.model_fields_set:
         spec = spec.model_copy(update={"launcher": context.default_launcher})
     launcher = context.launchers.get(spec.launcher)
@@ -320,6 +331,10 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
     if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):
         raise invalid(["workers"], why)
     assert context.roots is not None
+    try:
+        spec = admit_command(spec, context.roots)
+    except Refused as exc:
+        raise invalid(exc.field.split("."), str(exc)) from None
     try:
         params = admit_params(spec.kind, spec.params, context.roots)
     except Refused as exc:

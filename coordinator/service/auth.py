@@ -1,10 +1,11 @@
-"""Bearer tokens with a role each: `read` may look, `submit` may also submit and cancel.
+"""Bearer tokens with a role each: `read` may look, `submit` may also submit and cancel,
+`exec` may also submit `command` jobs (any program, run as the members' user).
 
 The token file has one `<role> <token>` per line (`#` starts a comment), and
 only its owner may read it (mode 0600: one that group or others can read is
 refused; see `check_private` for mounted secrets). Without a token file
 `coordinator serve` makes one, `api-token` in its data directory, with one
-submit token, and uses it again on restart.
+exec token (its operator's), and uses it again on restart.
 Tokens are compared in constant time, against every known token, so neither
 a match nor its position leaks through timing.
 """
@@ -24,6 +25,12 @@ GENERATED_TOKEN_FILE = "api-token"  # in the data directory
 class Role(StrEnum):
     READ = "read"
     SUBMIT = "submit"
+    EXEC = "exec"
+
+    def covers(self, needed: Role) -> bool:
+        """Each role includes the ones before it: read < submit < exec."""
+        order = list(Role)
+        return order.index(self) >= order.index(needed)
 
 
 class Tokens:
@@ -43,7 +50,7 @@ class Tokens:
             parts = line.split()
             if len(parts) != 2 or parts[0] not in Role.__members__.values():
                 raise ValueError(
-                    f"{path}:{number}: expected '<role> <token>' with role read or submit"
+                    f"{path}:{number}: expected '<role> <token>' with role read, submit or exec"
                 )
             if len(parts[1]) < 16:
                 raise ValueError(f"{path}:{number}: a token needs at least 16 characters")
@@ -53,11 +60,10 @@ class Tokens:
         return cls(tokens)
 
     def strongest(self) -> str:
-        """A token with the submit role if there is one, else the first (for a link)."""
-        for token, role in self._tokens:
-            if role == Role.SUBMIT:
-                return token.decode()
-        return self._tokens[0][0].decode()
+        """The token with the strongest role (the first of equals), for a link."""
+        order = list(Role)
+        best = max(self._tokens, key=lambda item: order.index(item[1]))
+        return best[0].decode()
 
     def role(self, presented: str) -> Role | None:
         """The role of a presented token, or None; the time taken does not depend on which
@@ -87,7 +93,7 @@ def check_private(path: Path) -> None:
 
 
 def generated_tokens(data_dir: Path) -> Tokens:
-    """The tokens of `<data_dir>/api-token`, made (0600, one submit token) when missing,
+    """The tokens of `<data_dir>/api-token`, made (0600, one exec token) when missing,
     else read again (a restart keeps the token its users have)."""
     path = data_dir / GENERATED_TOKEN_FILE
     try:
@@ -96,7 +102,7 @@ def generated_tokens(data_dir: Path) -> Tokens:
         return Tokens.load(path)
     with os.fdopen(descriptor, "w") as handle:
         handle.write("# made by coordinator serve: the dashboard and the CLI use it\n")
-        handle.write(f"submit {secrets.token_urlsafe(32)}\n")
+        handle.write(f"exec {secrets.token_urlsafe(32)}\n")
     return Tokens.load(path)
 
 

@@ -59,9 +59,9 @@ def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 def granted_role(tokens: Tokens | None, headers: list[tuple[bytes, bytes]]) -> Role | None:
-    """The role the request's token carries (`submit` for all where there are no tokens)."""
+    """The role the request's token carries (`exec` for all where there are no tokens)."""
     if tokens is None:
-        return Role.SUBMIT
+        return Role.EXEC
     token = bearer(headers)
     return tokens.role(token) if token else None
 
@@ -70,8 +70,8 @@ def refusal(needed: Role, granted: Role | None) -> tuple[int, str] | None:
     """(status, message) when `granted` does not cover `needed`, else None."""
     if granted is None:
         return 401, "a valid bearer token is required"
-    if needed == Role.SUBMIT and granted != Role.SUBMIT:
-        return 403, "this token may only read"
+    if not granted.covers(needed):
+        return 403, f"this token's role is {granted}; this needs {needed}"
     return None
 
 

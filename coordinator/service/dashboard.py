@@ -44,7 +44,7 @@ LIVE_EVENTS = {"round", "metrics", "step", "done", "failed", "phase"}
 
 
 class WhoAmI(BaseModel):
-    role: Literal["read", "submit", "none"]
+    role: Literal["read", "submit", "exec", "none"]
     auth: bool  # whether the service asks for tokens at all
 
 
@@ -91,7 +91,7 @@ def add_dashboard(
         """The role of the bearer token presented: `none` for no valid token (the page
         then asks for one); anyone submits where the service has no tokens."""
         if context.tokens is None:
-            return WhoAmI(role="submit", auth=False)
+            return WhoAmI(role="exec", auth=False)
         scheme, _, token = (authorization or "").partition(" ")
         granted = context.tokens.role(token) if scheme.lower() == "bearer" else None
         return WhoAmI(role=granted.value if granted else "none", auth=True)

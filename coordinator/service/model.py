@@ -14,6 +14,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a DNS label: also a container name
+MAX_ARGS = 256  # a command's program and arguments
+MAX_ARG_CHARS = 4096
 LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62})$")
 
 
@@ -44,7 +46,7 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: Annotated[str, Field(pattern=ID_PATTERN, description="[generated when absent]")] = ""
-    kind: Annotated[str, Field(description="noop, steps, xgboost or mnist")]
+    kind: Annotated[str, Field(description="noop, steps, xgboost, mnist or command")]
     workers: Annotated[int, Field(ge=1, le=1024)]
     params: dict[str, str] = Field(default_factory=dict)
     launcher: Annotated[Launcher, Field(description="[the service's default]")] = Launcher.LOCAL
@@ -56,6 +58,27 @@ class JobSpec(BaseModel):
         dict[str, str],
         Field(description="agents launcher: labels an agent must carry to run a member"),
     ] = Field(default_factory=dict)
+    # The `command` kind only (an exec token): the program each member runs, as a list
+    # (never split or joined), its extra variables, and its folder (under the service's
+    # --working-dir-root).
+    command: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS)]] | None,
+        Field(min_length=1, max_length=MAX_ARGS, description="command: PROGRAM ARGS..."),
+    ] = None
+    env: Annotated[
+        dict[str, str], Field(max_length=128, description="command: the program's variables")
+    ] = Field(default_factory=dict)
+    working_dir: Annotated[
+        str | None,
+        Field(min_length=1, max_length=1024, description="command: the program's folder"),
+    ] = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        from coordinator.jobs.environment import check_program_env
+
+        return check_program_env(value)
 
     @field_validator("params", mode="before")
     @classmethod

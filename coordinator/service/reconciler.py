@@ -51,6 +51,7 @@ from coordinator.etcd.users import (
     provision_job,
     revoke_job,
 )
+from coordinator.jobs import COMMAND
 from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
@@ -333,6 +334,8 @@ class Reconciler:
             params.setdefault("resume", "true")  # a new attempt continues from the checkpoint
         for name, value in params.items():
             args += ["--param", f"{name}={value}"]
+        if spec.kind == COMMAND and spec.command:  # a list, never joined; env and folder
+            args += ["--", *spec.command]  # reach the member by its environment instead
         return args
 
     # -- following ------------------------------------------------------------

@@ -138,7 +138,7 @@ async function learnRole() {
   document.body.dataset.role = me.role;
   const who = document.getElementById("who");
   who.innerHTML = me.auth
-    ? `${escape(me.role === "submit" ? "submitter" : "reader")} · <a href="#" id="sign-out">sign out</a>`
+    ? `${escape(me.role === "read" ? "reader" : me.role === "exec" ? "submitter (exec)" : "submitter")} · <a href="#" id="sign-out">sign out</a>`
     : `<span class="muted">no auth (--insecure)</span>`;
   const out = document.getElementById("sign-out");
   if (out) {

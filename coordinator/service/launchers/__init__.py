@@ -17,6 +17,7 @@ including one started by a service process that has since died.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,7 @@ from typing import Protocol
 from coordinator.etcd.client import Guard, Put
 from coordinator.etcd.security import ENV
 from coordinator.etcd.users import Credentials
+from coordinator.jobs.environment import PROGRAM_DIR, PROGRAM_ENV
 from coordinator.service.model import JobSpec, Launcher, Member
 
 
@@ -40,15 +42,36 @@ OWN_SLOTS = frozenset({Launcher.LOCAL, Launcher.DOCKER})
 VANISHED = -1
 
 
+def split_program(worker_args: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the worker's options, the program after `--` or None). The options are pairs, so
+    only a `--` where an option name stands starts the program (never a value)."""
+    for i in range(0, len(worker_args), 2):
+        if worker_args[i] == "--":
+            return list(worker_args[:i]), list(worker_args[i + 1 :])
+    return list(worker_args), None
+
+
 def with_etcd(worker_args: list[str], endpoints: str) -> list[str]:
-    """`worker_args` with every `--etcd` value replaced by `endpoints`."""
-    args = list(worker_args)
+    """`worker_args` with every `--etcd` value replaced by `endpoints` (the program's own
+    arguments after `--` stay as they are)."""
+    args, program = split_program(worker_args)
     for i, arg in enumerate(args):
         if arg == "--etcd" and i + 1 < len(args):
             args[i + 1] = endpoints
         elif arg.startswith("--etcd="):
             args[i] = f"--etcd={endpoints}"
-    return args
+    return args if program is None else [*args, "--", *program]
+
+
+def program_settings(spec: JobSpec) -> dict[str, str]:
+    """A `command` member's environment entries for its program's variables and folder
+    (never argv: values may be secrets); the member takes them out and checks them."""
+    settings = {}
+    if spec.env:
+        settings[PROGRAM_ENV] = json.dumps(spec.env)
+    if spec.working_dir:
+        settings[PROGRAM_DIR] = spec.working_dir
+    return settings
 
 
 @dataclass(frozen=True)

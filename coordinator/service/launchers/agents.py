@@ -39,7 +39,7 @@ from coordinator.service.agent_keys import (
     report_key,
     reports_prefix,
 )
-from coordinator.service.launchers import VANISHED, Launch, Reservation
+from coordinator.service.launchers import VANISHED, Launch, Reservation, split_program
 from coordinator.service.model import JobSpec, Member
 from coordinator.service.placement import AgentRoom, capacity, matches, place
 
@@ -93,12 +93,19 @@ class AgentsLauncher:
         puts, members = [], []
         for index, agent_id in enumerate(chosen):
             name = member_name(launch.run_id, launch.attempt, index)
-            assignment = {
+            options, program = split_program(launch.worker_args)
+            assignment: dict[str, object] = {
                 "run_id": launch.run_id,
                 "attempt": launch.attempt,
                 "index": index,
-                "worker_args": launch.worker_args,
+                "worker_args": options,
             }
+            if program is not None:  # the command kind: its agent passes env and folder on
+                assignment["command"] = program
+                if launch.spec.env:
+                    assignment["env"] = launch.spec.env
+                if launch.spec.working_dir:
+                    assignment["working_dir"] = launch.spec.working_dir
             if launch.credentials is not None:  # the assignment is readable by its agent only
                 assignment["credentials"] = {
                     "user": launch.credentials.user,

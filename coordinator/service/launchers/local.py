@@ -37,6 +37,7 @@ from coordinator.service.launchers import (
     Launch,
     Reservation,
     member_environment,
+    program_settings,
 )
 from coordinator.service.model import Member
 
@@ -62,12 +63,18 @@ _DIE_WITH_PARENT = (
 
 class LocalLauncher:
     def __init__(
-        self, logs: Path, die_with_parent: bool = False, workdir: Path | None = None
+        self,
+        logs: Path,
+        die_with_parent: bool = False,
+        workdir: Path | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         """`die_with_parent`: members are killed when the thread that started them ends
         (an agent's members die with it); the service's members outlive it instead.
-        `workdir`: where members run [ours] (an agent's data dir: relative paths stay in it)."""
+        `workdir`: where members run [ours] (an agent's data dir: relative paths stay in it).
+        `extra_env`: set for every member (an agent's working-dir roots)."""
         self.logs = logs
+        self.extra_env = dict(extra_env or {})
         self.die_with_parent = die_with_parent
         self.workdir = workdir
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
@@ -109,6 +116,8 @@ class LocalLauncher:
                     "PYTHONUNBUFFERED": "1",
                     "COORDINATOR_PORT": "0",
                     **member_environment(launch, password_file),
+                    **program_settings(launch.spec),
+                    **self.extra_env,
                 },
                 cwd=self.workdir,
             )

@@ -1,0 +1,134 @@
+"""The `command` kind through the REST service: a real `coordinator serve`, real members
+running real programs, locally and on a real `coordinator agent`.
+
+The program is `python -c ...` (the service's interpreter), so each test says in one
+line what every member's program does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.etcd.client import Etcd
+from tests.conftest import wait_until
+from tests.test_agent import agents, registered  # noqa: F401 (the fixture)
+from tests.test_service import ServiceProc, serve, wait_state  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.one_etcd
+READ = "reader-token-0123456789"
+SUBMIT = "submitter-token-0123456789"
+EXEC = "executor-token-0123456789"
+
+
+def program(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def as_(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_a_command_job_runs_its_program_on_three_members_with_its_env_and_folder(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    service = serve()  # its generated token has the exec role
+    folder = service.data / "work" / "here"
+    folder.mkdir()
+    show = "import os; print('ran', os.environ['RANK'], os.environ['WORLD_SIZE'], "
+    show += "os.environ['GREETING'], os.getcwd(), 'COORDINATOR_PROGRAM_ENV' in os.environ)"
+    spec = {"id": "prog", "kind": "command", "workers": 3, "command": program(show),
+            "env": {"GREETING": "hello-there"}, "working_dir": "here"}  # fmt: skip
+    response = service.http.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["working_dir"] == str(folder.resolve())  # stored absolute
+
+    record = wait_state(service, "prog", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    logs = service.http.get("/v1/jobs/prog/logs").text
+    for rank in range(3):
+        assert f"[rank {rank}] ran {rank} 3 hello-there {folder.resolve()} False" in logs, logs
+
+
+def test_a_program_that_fails_on_rank_1_fails_the_job_naming_rank_and_code(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    service = serve()
+    code = "import os, sys; sys.exit(7 if os.environ['RANK'] == '1' else 0)"
+    spec = {"id": "sevens", "kind": "command", "workers": 3, "command": program(code)}
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    record = wait_state(service, "sevens", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "FAILED"
+    reason = record["conditions"][-1]["reason"]
+    assert "rank 1" in reason and "code 7" in reason, reason
+
+
+def test_only_exec_tokens_run_programs_and_bad_command_specs_are_named(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"read {READ}\nsubmit {SUBMIT}\nexec {EXEC}\n")
+    tokens.chmod(0o600)
+    service = serve("--token-file", str(tokens), "--working-dir-root", str(tmp_path / "work"))
+    spec: dict[str, Any] = {"kind": "command", "workers": 1, "command": program("pass")}
+    post = service.http.post
+
+    assert post("/v1/jobs", json=spec, headers=as_(READ)).status_code == 403
+    refused = post("/v1/jobs", json=spec, headers=as_(SUBMIT))
+    assert refused.status_code == 403 and "exec" in refused.json()["detail"]
+    noop = {"kind": "noop", "workers": 1}
+    assert post("/v1/jobs", json=noop, headers=as_(SUBMIT)).status_code == 201  # as before
+    assert post("/v1/jobs", json=noop, headers=as_(EXEC)).status_code == 201  # exec > submit
+    made = post("/v1/jobs", json=spec, headers=as_(EXEC))
+    assert made.status_code == 201, made.text
+
+    def field_of(body: dict[str, Any]) -> tuple[list[Any], str]:
+        answer = post("/v1/jobs", json=body, headers=as_(EXEC))
+        assert answer.status_code == 422, answer.text
+        detail = answer.json()["detail"][0]
+        return detail["loc"], detail["msg"]
+
+    loc, msg = field_of({**spec, "working_dir": str(tmp_path)})  # the root's parent
+    assert loc[-1] == "working_dir" and "outside" in msg
+    loc, msg = field_of({**spec, "working_dir": "../up"})
+    assert loc[-1] == "working_dir"
+    loc, msg = field_of({**spec, "env": {"RANK": "3", "OK": "1"}})
+    assert "env" in loc and "RANK" in msg and "OK" not in msg
+    loc, msg = field_of({**spec, "env": {"COORDINATOR_ETCD": "elsewhere:2379"}})
+    assert "env" in loc and "COORDINATOR_ETCD" in msg
+    loc, _ = field_of({**spec, "env": {"NOT-A-NAME": "x"}})
+    assert "env" in loc
+    loc, _ = field_of({**spec, "command": []})
+    assert "command" in loc
+    loc, _ = field_of({"kind": "command", "workers": 1})
+    assert loc[-1] == "command"
+    loc, msg = field_of({**noop, "command": ["true"]})
+    assert loc[-1] == "command" and "noop" in msg
+    loc, _ = field_of({**noop, "env": {"A": "b"}})
+    assert loc[-1] == "env"
+    loc, _ = field_of({**spec, "launcher": "docker"})  # not enabled here, nor able to
+    assert loc[-1] == "launcher"
+
+
+def test_a_command_job_runs_on_an_agent(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    agents: Any,  # noqa: F811
+    etcd: Etcd,
+) -> None:
+    agent = agents("--id", "runner", "--slots", "2")
+    wait_until(lambda: registered(etcd, "runner"), 30, "the agent to register")
+    service = serve("--default-launcher", "agents")
+    show = "import os; print('agent ran', os.environ['RANK'], os.environ['SECRET_NAME'])"
+    spec = {"id": "onagent", "kind": "command", "workers": 2, "command": program(show),
+            "env": {"SECRET_NAME": "s3cr3t-value"}}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    record = wait_state(service, "onagent", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    logs = service.http.get("/v1/jobs/onagent/logs").text
+    assert "[rank 0] agent ran 0 s3cr3t-value" in logs and "agent ran 1" in logs, logs
+    assert agent.process.poll() is None
