@@ -132,3 +132,30 @@ def test_a_command_job_runs_on_an_agent(
     logs = service.http.get("/v1/jobs/onagent/logs").text
     assert "[rank 0] agent ran 0 s3cr3t-value" in logs and "agent ran 1" in logs, logs
     assert agent.process.poll() is None
+
+
+def test_an_agent_accepts_exactly_a_command_assignment_shape(tmp_path: Path) -> None:
+    """Pure: what `Assignment` lets through to an agent's members."""
+    from pydantic import ValidationError
+
+    from coordinator.service.agent_keys import Assignment
+
+    args = ["--job", "j", "--world-size", "1", "--kind", "command"]
+    base = {"run_id": "j-1234abcd", "attempt": 1, "index": 0, "worker_args": args}
+    context = {"data_dir": tmp_path, "working_dir_roots": [str(tmp_path)]}
+
+    def check(**extra: Any) -> Assignment:
+        return Assignment.model_validate({**base, **extra}, context=context)
+
+    assert check(command=["python", "x.py"], working_dir=str(tmp_path / "w")).command
+    bad: list[dict[str, Any]] = [
+        {},  # --kind command needs its program
+        {"command": ["python"], "worker_args": args[:4]},  # a program for another kind
+        {"command": ["python"], "working_dir": "/etc"},  # outside the agent's roots
+        {"command": ["python"], "working_dir": str(tmp_path / ".." / "x")},
+        {"command": ["python"], "env": {"MASTER_ADDR": "elsewhere"}},
+        {"command": ["python"], "worker_args": [*args, "--", "python"]},  # no `--` in args
+    ]
+    for extra in bad:
+        with pytest.raises(ValidationError):
+            check(**extra)

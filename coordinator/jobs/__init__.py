@@ -7,8 +7,8 @@ the place to start a service the others must reach, or to load data), and
 `run` after `connect`. `close` always follows.
 
 The `command` kind (any program as each member) is built by `make_job` from a
-program as well; it is a kind of the `worker` and `run` commands only, not
-(yet) of the service's API, so it is not in `JOB_KINDS`.
+program as well, so it is not in `JOB_KINDS`: the service's API takes it as a
+spec with a `command` (and an exec token), not as parameters.
 """
 
 from __future__ import annotations
