@@ -126,6 +126,11 @@ function main() {
 
 // -- sign-in and roles -------------------------------------------------------------------
 
+// `exec` includes `submit`: both may submit and cancel (only `exec` may submit a command job).
+function canSubmit() {
+  return session.role === "submit" || session.role === "exec";
+}
+
 async function learnRole() {
   const response = await api("/v1/whoami");
   const me = await response.json();
@@ -549,7 +554,7 @@ class JobView {
 
   showActions(record) {
     const box = document.getElementById("job-actions");
-    const canCancel = session.role === "submit" && !FINAL.has(record.state) && !record.cancel_requested_at;
+    const canCancel = canSubmit() && !FINAL.has(record.state) && !record.cancel_requested_at;
     if (!canCancel) {
       box.innerHTML = record.cancel_requested_at && !FINAL.has(record.state) ? `<span class="muted">cancelling…</span>` : "";
       return;
@@ -655,7 +660,7 @@ function memberRole(record, rank) {
 
 function submitPage(signal) {
   activate("submit");
-  if (session.role !== "submit") {
+  if (!canSubmit()) {
     main().innerHTML = `<section class="card narrow"><h1>Submit</h1><p>This token may only read.</p></section>`;
     return;
   }
@@ -736,7 +741,7 @@ function showErrors(form, detail) {
 
 function simulatePage(signal) {
   activate("simulate");
-  if (session.role !== "submit") {
+  if (!canSubmit()) {
     main().innerHTML = `<section class="card narrow"><h1>Simulator</h1><p>Running the simulator needs a submit token.</p></section>`;
     return;
   }
