@@ -7,11 +7,14 @@ line what every member's program does.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd
@@ -159,3 +162,36 @@ def test_an_agent_accepts_exactly_a_command_assignment_shape(tmp_path: Path) -> 
     for extra in bad:
         with pytest.raises(ValidationError):
             check(**extra)
+
+
+def test_a_killed_member_restarts_the_job_and_its_programs_are_all_gone(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    """A member SIGKILLed while every program runs: the other member's program is stopped,
+    the attempt fails naming the lost rank, and with `max_restarts=1` a second attempt
+    runs the program again (it finds its marker and ends at once) and succeeds. No
+    program of the first attempt is left."""
+    service = serve()
+    folder = service.data / "work" / "restart"
+    folder.mkdir()
+    code = (
+        "import os, sys, time\n"
+        "marker = 'started-' + os.environ['RANK']\n"
+        "if os.path.exists(marker): sys.exit(0)\n"
+        "open(marker, 'w').write(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    spec = {"id": "again", "kind": "command", "workers": 2, "command": program(code),
+            "working_dir": "restart", "max_restarts": 1}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    markers = [folder / f"started-{rank}" for rank in range(2)]
+    wait_until(lambda: all(m.exists() and m.read_text() for m in markers), 60, "both programs")
+    programs = [int(m.read_text()) for m in markers]
+    record = service.http.get("/v1/jobs/again").json()
+    member = next(m for m in record["attempts"][0]["members"] if m["rank"] == 1)
+    os.kill(member["pid"], signal.SIGKILL)
+
+    record = wait_state(service, "again", {"SUCCEEDED", "FAILED"}, timeout=90)
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    assert len(record["attempts"]) == 2 and "rank 1" in record["attempts"][0]["outcome"]
+    assert not any(psutil.pid_exists(pid) for pid in programs)  # reaped with their members
