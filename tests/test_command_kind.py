@@ -184,16 +184,22 @@ def test_a_status_is_named_by_its_exit_code_or_signal() -> None:
 
 
 def torchrun(port: int, script: list[str]) -> list[subprocess.Popen[str]]:
-    """Three torchrun agents, one node each, meeting through c10d on loopback."""
+    """Three torchrun agents, one node each, on loopback. Their node ranks are given
+    (torchrun's static rendezvous): what is compared is training, and three c10d agents
+    racing for one store on one host now and then never met within the test's minutes."""
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "same",
+        "--master-addr", "127.0.0.1", "--master-port", str(port),
     ]  # fmt: skip
     return [
         subprocess.Popen(
-            [*args, *script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+            [*args, "--node-rank", str(node), *script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
         )
-        for _ in range(3)
+        for node in range(3)
     ]
 
 
@@ -205,14 +211,18 @@ def test_the_ddp_example_trains_as_under_torchrun(
         ["run", "--workers", "3", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
          "--job", "ddp", "--ttl", "5", "--", "python", *script]
     )  # fmt: skip
-    theirs = torchrun(free_port(), script)
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in theirs]
-    finally:
-        for p in theirs:
-            p.kill()
+    ours_code = ours.wait(120)  # done before torchrun starts: no port both may take
+    for _ in range(2):  # the reference itself fails now and then here: it gets a second go
+        theirs = torchrun(free_port(), script)
+        try:
+            outputs = [p.communicate(timeout=120)[0] for p in theirs]
+        finally:
+            for p in theirs:
+                p.kill()
+        if [p.returncode for p in theirs] == [0, 0, 0]:
+            break
     assert [p.returncode for p in theirs] == [0, 0, 0], outputs
-    assert ours.wait(120) == 0, ours.stderr[-10:]
+    assert ours_code == 0, ours.stderr[-10:]
     results = rank_results(ours.stdout)
     expected = rank_results("\n".join(outputs).splitlines())
     assert sorted(results) == sorted(expected) == [0, 1, 2]
@@ -262,19 +272,36 @@ def test_the_xgboost_example_trains_one_model_through_the_collective(
     assert all(r["logloss"] < 0.3 for r in results.values())
 
 
-def test_a_killed_peer_stops_the_others_blocked_in_all_reduce(
-    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
-) -> None:
-    os.environ["PIDS_DIR"] = str(tmp_path)  # the members pass it on to their programs
+def start_programs(
+    etcd_server: EmbeddedEtcd,
+    etcd: Etcd,
+    spawn: Callable[[list[str]], Proc],
+    folder: Path,
+    job: str,
+    n: int,
+    script: str,
+) -> tuple[list[Proc], list[int], list[int]]:
+    """`n` members running `tests/programs/<script>`, each past connect with its program
+    started (it writes `<folder>/rank<r>`): the members, their ranks, and every pid of
+    their process trees."""
+    os.environ["PIDS_DIR"] = str(folder)  # the members pass it on to their programs
     try:
-        program = [sys.executable, str(PROGRAMS / "block_in_allreduce.py")]
-        args = command_worker(etcd_server, etcd, "blocked", 3, program, ttl=TTL)
-        procs = [spawn(args) for _ in range(3)]
+        program = [sys.executable, str(PROGRAMS / script)]
+        args = command_worker(etcd_server, etcd, job, n, program, ttl=TTL)
+        procs = [spawn(args) for _ in range(n)]
     finally:
         del os.environ["PIDS_DIR"]
     ranks = [p.wait_event(lambda e: e.get("phase") == "connect", 60)["rank"] for p in procs]
-    wait_until(lambda: all((tmp_path / f"rank{r}").exists() for r in range(3)), 60, "programs")
-    pids = [pid for p in procs for pid in tree(p.process.pid)]
+    wait_until(lambda: all((folder / f"rank{r}").exists() for r in range(n)), 60, "programs")
+    return procs, ranks, [pid for p in procs for pid in tree(p.process.pid)]
+
+
+def test_a_killed_peer_stops_the_others_blocked_in_all_reduce(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    procs, ranks, pids = start_programs(
+        etcd_server, etcd, spawn, tmp_path, "blocked", 3, "block_in_allreduce.py"
+    )
     assert len(pids) == 3 * 4  # member, reaper, program, grandchild
     victim = procs[ranks.index(1)]
     victim.kill()
@@ -335,16 +362,9 @@ def test_a_bad_program_fails_every_member_before_it_joins(
 def test_sigterm_to_a_member_reaches_its_program_and_it_leaves_cleanly(
     etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
 ) -> None:
-    os.environ["PIDS_DIR"] = str(tmp_path)
-    try:
-        program = [sys.executable, str(PROGRAMS / "trap_sigterm.py")]
-        args = command_worker(etcd_server, etcd, "term", 2, program, ttl=TTL)
-        procs = [spawn(args) for _ in range(2)]
-    finally:
-        del os.environ["PIDS_DIR"]
-    ranks = [p.wait_event(lambda e: e.get("phase") == "connect", 60)["rank"] for p in procs]
-    wait_until(lambda: all((tmp_path / f"rank{r}").exists() for r in range(2)), 60, "programs")
-    pids = [pid for p in procs for pid in tree(p.process.pid)]
+    procs, ranks, pids = start_programs(
+        etcd_server, etcd, spawn, tmp_path, "term", 2, "trap_sigterm.py"
+    )
     target, other = procs[ranks.index(0)], procs[ranks.index(1)]
     target.process.send_signal(signal.SIGTERM)
     signalled_at = time.monotonic()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import threading
@@ -65,8 +64,6 @@ def agent(
     from coordinator.etcd.names import check_name
     from coordinator.service.agent import Agent, AgentOptions, AgentTaken
 
-    # Everything it writes (members' output, their password files) is its user's alone.
-    os.umask(0o077)
     labels = parse_labels(label)
     try:
         agent_id = check_name("agent id", agent_id or socket.gethostname())

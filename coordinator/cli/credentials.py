@@ -7,6 +7,8 @@ nothing of any job or other agent. Root's settings come from the data dir of a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -47,13 +49,15 @@ DataDirOption = Annotated[
 ]
 
 
+@contextmanager
 def _root(
     data_dir: Path | None,
     etcd: str | None,
     namespace: str,
     settings: tuple[str | None, str | None, str | None, str | None, str | None],
-) -> Etcd:
-    """A client as etcd's root (exit 2 naming a bad option, 3 when etcd refuses or is away)."""
+) -> Iterator[Etcd]:
+    """A client as etcd's root, for the block's changes to users: exit 2 naming a bad
+    option or agent id, 3 when etcd refuses or is away."""
     from coordinator.service.embedded import find_service_etcd
 
     if data_dir is not None:
@@ -67,10 +71,22 @@ def _root(
         endpoint = etcd or "127.0.0.1:2379"
         security = etcd_security(endpoint, *settings)
     try:
-        return Etcd(endpoint, namespace=namespace, security=security)
+        client = Etcd(endpoint, namespace=namespace, security=security)
     except EtcdError as exc:
         console.print(f"[red]cannot reach etcd: {exc}[/red]")
         raise typer.Exit(3) from None
+    try:
+        yield client
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="ID") from None
+    except CannotManageUsers as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(3) from None
+    except EtcdError as exc:
+        console.print(f"[red]etcd refused: {exc}[/red]")
+        raise typer.Exit(3) from None
+    finally:
+        client.close()
 
 
 def agent(
@@ -91,18 +107,9 @@ def agent(
     """
     settings = (etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
     with _root(data_dir, etcd, namespace, settings) as client:
-        try:
-            if not client.auth_enabled():
-                console.print("[yellow]etcd has auth off: the user exists, unchecked[/yellow]")
-            credentials = provision_agent(client, agent_id)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="ID") from None
-        except CannotManageUsers as exc:
-            console.print(f"[red]{exc}[/red]")
-            raise typer.Exit(3) from None
-        except EtcdError as exc:
-            console.print(f"[red]etcd refused: {exc}[/red]")
-            raise typer.Exit(3) from None
+        if not client.auth_enabled():
+            console.print("[yellow]etcd has auth off: the user exists, unchecked[/yellow]")
+        credentials = provision_agent(client, agent_id)
     write_password_file(out.absolute(), credentials.password)
     console.print(
         f"agent {agent_id}: etcd user {credentials.user!r}, password in {out.absolute()}; "
@@ -126,13 +133,7 @@ def revoke(
     """Delete an agent's etcd user and role (it can no longer connect; none is fine)."""
     settings = (etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
     with _root(data_dir, etcd, namespace, settings) as client:
-        try:
-            revoke_agent(client, agent_id)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="ID") from None
-        except CannotManageUsers as exc:
-            console.print(f"[red]{exc}[/red]")
-            raise typer.Exit(3) from None
+        revoke_agent(client, agent_id)
     console.print(f"agent {agent_id}: etcd user removed")
 
 

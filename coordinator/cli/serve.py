@@ -122,7 +122,6 @@ def serve(
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
-    os.umask(0o077)  # logs, artifacts, tokens, pidfiles, the etcd's data: the owner's only
     from coordinator.etcd.client import EtcdError
     from coordinator.service import server
     from coordinator.service.auth import Tokens, generated_tokens

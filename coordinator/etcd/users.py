@@ -145,10 +145,13 @@ def enable_auth(etcd: Etcd, root_password: str) -> None:
     etcd.auth_api("AuthEnable", etcdrpc.AuthEnableRequest())
 
 
-def provision(etcd: Etcd, user: str, grants: list[Grant]) -> Credentials:
-    """Make `user` with a role of the same name holding exactly `grants`, and a new
-    password; an existing one gets the new password (a new attempt, a lost answer)."""
-    password = new_password()
+def provision(
+    etcd: Etcd, user: str, grants: list[Grant], password: str | None = None
+) -> Credentials:
+    """Make `user` with a role of the same name holding exactly `grants`, and `password`
+    (a new one if not given); an existing one gets the password (a new attempt, a lost
+    answer)."""
+    password = password or new_password()
     _admin(etcd, "RoleAdd", etcdrpc.AuthRoleAddRequest(name=user), "role name already exists")
     for grant in grants:
         permission = etcdrpc.Permission(
@@ -186,9 +189,10 @@ def users(etcd: Etcd) -> list[str]:
         raise CannotManageUsers(f"etcd user {etcd.security.user!r} may not list users") from exc
 
 
-def provision_job(etcd: Etcd, job_id: str) -> Credentials:
+def provision_job(etcd: Etcd, job_id: str, password: str | None = None) -> Credentials:
     """A user for the job's members: read and write `<ns>/jobs/<id>/`, nothing else."""
-    return provision(etcd, job_user(etcd.namespace, job_id), job_grants(etcd.namespace, job_id))
+    user, grants = job_user(etcd.namespace, job_id), job_grants(etcd.namespace, job_id)
+    return provision(etcd, user, grants, password)
 
 
 def revoke_job(etcd: Etcd, job_id: str) -> None:

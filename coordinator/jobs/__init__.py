@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 from typing import Protocol
 
 from coordinator.jobs import noop, steps
@@ -66,15 +67,21 @@ def _xgboost(params: dict[str, str], world_size: int) -> Job:
     return XGBoostJob(params, world_size)
 
 
-def _mnist(params: dict[str, str], world_size: int) -> Job:
+def mnist_module() -> ModuleType:
+    """`coordinator.jobs.mnist` (PyTorch: an extra, and slow to import), or a ValueError
+    that says how to install it."""
     try:
-        from coordinator.jobs.mnist import MnistJob  # PyTorch: an extra, and slow to import
+        from coordinator.jobs import mnist
     except ImportError as exc:
         raise ValueError(
             f"mnist job: needs PyTorch ({exc.name} is missing): "
             "pip install 'etcd-coordinator[mnist]'"
         ) from None
-    return MnistJob(params, world_size)
+    return mnist
+
+
+def _mnist(params: dict[str, str], world_size: int) -> Job:
+    return mnist_module().MnistJob(params, world_size)
 
 
 JOB_KINDS: dict[str, JobFactory] = {

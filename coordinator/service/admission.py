@@ -126,17 +126,11 @@ def check_kind(kind: str, params: dict[str, str], workers: int) -> None:
                 if source is not None and source.kind in ("synthetic", "builtin"):
                     check_shards(source, workers)  # no file: rows per member, counted
         elif kind == "mnist":
-            try:
-                from coordinator.jobs.mnist import parse as parse_mnist_job
-            except ImportError as exc:
-                raise ValueError(
-                    f"mnist job: needs PyTorch ({exc.name} is missing): "
-                    "pip install 'etcd-coordinator[mnist]'"
-                ) from None
+            from coordinator.jobs import mnist_module
+
             # A folder's files are the members' to read: its shape was checked above.
-            data = params.get("data", MNIST_BUILTIN)
-            parse_mnist_job({**params, "data": MNIST_BUILTIN} if data != MNIST_BUILTIN else params,
-                            workers)  # fmt: skip
+            shaped = {**params, "data": MNIST_BUILTIN} if "data" in params else params
+            mnist_module().parse(shaped, workers)
         elif kind == COMMAND:
             from coordinator.jobs.command import JOB, PARAMS
             from coordinator.jobs.params import check_known, float_param

@@ -47,7 +47,9 @@ from coordinator.etcd.client import Etcd, EtcdError, Put, WatchEvent
 from coordinator.etcd.users import (
     CannotManageUsers,
     Credentials,
+    job_user,
     job_users,
+    new_password,
     provision_job,
     revoke_job,
 )
@@ -192,13 +194,20 @@ class Reconciler:
         """Start the job's next attempt if it fits now (False: it waits)."""
         number = len(record.attempts) + 1
         launcher = self.launchers[record.spec.launcher]
-        if launcher.reserve(self._launch(record, number)) is None:
-            return False  # it waits (and no user is made for a job that waits)
-        credentials = self._provision(record.id)
+        # The credentials are chosen first (the agents launcher writes them into its
+        # assignments), but the user is made only once the attempt fits: none for a job
+        # that waits.
+        credentials = self._planned_credentials(record.id)
         launch = self._launch(record, number, credentials)
         reservation = launcher.reserve(launch)
         if reservation is None:
             return False
+        if credentials is not None and not self._provision(record.id, credentials):
+            credentials = None  # the service may not make users: members connect as it does
+            launch = self._launch(record, number)
+            reservation = launcher.reserve(launch)
+            if reservation is None:
+                return False
         puts = list(reservation.puts)
         if credentials is not None:  # for a leader that has to finish this launch
             stored = {"user": credentials.user, "password": credentials.password}
@@ -251,21 +260,26 @@ class Reconciler:
     def _credentials_key(self, job_id: str) -> str:
         return self.etcd.key("api", "credentials", job_id)
 
-    def _provision(self, job_id: str) -> Credentials | None:
-        """A new password for the job's own etcd user (made if missing), or None when
-        members must connect as the service does."""
+    def _planned_credentials(self, job_id: str) -> Credentials | None:
+        """The job's user with a new password (not made yet: `_provision` does), or None
+        when members must connect as the service does."""
         if self._per_job_users is None and not self.etcd.auth_enabled():
             self._per_job_users = False  # a plain etcd: nobody has credentials
         if self._per_job_users is False:
             return None
+        return Credentials(job_user(self.etcd.namespace, job_id), new_password())
+
+    def _provision(self, job_id: str, credentials: Credentials) -> bool:
+        """Make the job's user (if missing) with these credentials' password; False when
+        the service's own user may not make users."""
         try:
-            credentials = provision_job(self.etcd, job_id)
+            provision_job(self.etcd, job_id, credentials.password)
         except CannotManageUsers as exc:
             log.warning("members connect as the service's own etcd user: %s", exc)
             self._per_job_users = False
-            return None
+            return False
         self._per_job_users = True
-        return credentials
+        return True
 
     def _stored_credentials(self, job_id: str) -> Credentials | None:
         """The credentials the attempt started with (a predecessor's launch to finish)."""
@@ -279,7 +293,8 @@ class Reconciler:
                 raise TypeError("user and password must be text")
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("job %s: stored credentials unusable (%s): making new ones", job_id, exc)
-            return self._provision(job_id)
+            planned = self._planned_credentials(job_id)
+            return planned if planned is not None and self._provision(job_id, planned) else None
         return Credentials(user, password)
 
     def _revoke(self, job_id: str) -> None:

@@ -91,9 +91,9 @@ class AgentsLauncher:
         if chosen is None:
             return None
         puts, members = [], []
+        options, program = split_program(launch.worker_args)
         for index, agent_id in enumerate(chosen):
             name = member_name(launch.run_id, launch.attempt, index)
-            options, program = split_program(launch.worker_args)
             assignment: dict[str, object] = {
                 "run_id": launch.run_id,
                 "attempt": launch.attempt,
