@@ -298,7 +298,9 @@ class Reconciler:
         return Credentials(user, password)
 
     def _revoke(self, job_id: str) -> None:
-        """The job's etcd user, role and stored credentials go (none there is fine)."""
+        """The job's stored credentials, then its etcd user and role, go (none there is
+        fine). A leader that dies in between leaves a user `_remove_stale_users` finds."""
+        self.etcd.delete(self._credentials_key(job_id))
         if self._per_job_users is not False:
             try:
                 revoke_job(self.etcd, job_id)
@@ -306,7 +308,6 @@ class Reconciler:
                 self._per_job_users = False
             except ValueError:  # not a job id (a key that is no job's)
                 pass
-        self.etcd.delete(self._credentials_key(job_id))
 
     def _remove_stale_users(self) -> None:
         """Remove the users of jobs that ended or are gone (a leader died before it could)."""
