@@ -3,7 +3,7 @@
 The DDP example trains as under torchrun (same losses); a killed peer stops the
 others' programs, blocked in an all_reduce, within TTL + 2 s + grace, leaving no
 process and no rendezvous key; a failing program names its rank and exit code;
-bad programs fail every member before it joins; SIGTERM reaches the program.
+bad programs fail every member before it joins; SIGTERM and SIGINT reach the program.
 """
 
 from __future__ import annotations
@@ -359,26 +359,37 @@ def test_a_bad_program_fails_every_member_before_it_joins(
     assert "\n".join(run.stderr).count(cause) >= 2
 
 
-def test_sigterm_to_a_member_reaches_its_program_and_it_leaves_cleanly(
-    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+@pytest.mark.parametrize(
+    ("signum", "error"),
+    [(signal.SIGTERM, "Terminated"), (signal.SIGINT, "KeyboardInterrupt")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_to_a_member_reaches_its_program_and_it_leaves_cleanly(
+    signum: signal.Signals,
+    error: str,
+    etcd_server: EmbeddedEtcd,
+    etcd: Etcd,
+    spawn: Callable[[list[str]], Proc],
+    tmp_path: Path,
 ) -> None:
+    job = f"sig{signum.value}"
     procs, ranks, pids = start_programs(
-        etcd_server, etcd, spawn, tmp_path, "term", 2, "trap_sigterm.py"
+        etcd_server, etcd, spawn, tmp_path, job, 2, "trap_sigterm.py"
     )
     target, other = procs[ranks.index(0)], procs[ranks.index(1)]
-    target.process.send_signal(signal.SIGTERM)
+    target.process.send_signal(signum)
     signalled_at = time.monotonic()
     assert target.wait_exit(timeout=GRACE + 10) == 130
-    # Its grandchild ignores SIGTERM: the member waited the grace, then SIGKILLed the group.
+    # Its grandchild ignores the signal: the member waited the grace, then SIGKILLed the group.
     assert target.exited_at is not None and target.exited_at - signalled_at < GRACE + 3
-    assert (tmp_path / "sigterm0").read_text() == "got SIGTERM\n"
+    assert (tmp_path / "signal0").read_text() == f"got {signum.name}\n"
     failed = target.wait_event(lambda e: e["event"] == "failed")
-    assert failed["error"] == "Terminated"
+    assert failed["error"] == error
     # The member left: the other saw it go at once (no lease to wait for), and stopped.
     assert other.wait_exit(timeout=GRACE + 10) == 5
     assert "member rank 0 " in other.wait_event(lambda e: e["event"] == "failed")["message"]
     wait_until(lambda: gone(pids), 10, "every process of both members to end")
-    assert rendezvous_keys(etcd, "term") == []
+    assert rendezvous_keys(etcd, job) == []
 
 
 def test_a_program_after_dashes_means_kind_command_and_the_cause_sets_the_run_code() -> None:
