@@ -9,16 +9,23 @@
   rank 1's node until every other node has stopped. Two ways to lose it:
   `kill` (SIGKILL its member, or its torchrun agent and worker: the sockets close)
   and `freeze` (SIGSTOP them: a hung machine, whose sockets stay open). Waits are
-  capped at 120 s ("> 120 s").
+  capped at 10 minutes ("> 600 s"; `--cap`).
+* Overhead: DDP training steps per second (examples/ddp_mnist.py, N = 2, from the
+  first step's line to the last one's) under ours against torchrun.
+* With `--ray-python PATH` (a Python that has `ray[default]`; Ray is not our
+  dependency, so it lives in a venv of its own): start-up of `ray job submit`
+  against an already running local Ray head, whose entrypoint starts N actors
+  (one process each) that print their first line.
 
 Only loopback is contacted; every process started is stopped by its pid at the end.
-Run: `python bench/command.py [--sizes 4,8,16] [--ttl 5]`.
+Run: `python bench/command.py [--sizes 4,8,16] [--ttl 5] [--ray-python /venv/bin/python]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +42,9 @@ from coordinator.etcd.server import EmbeddedEtcd, free_port
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = ROOT / "tests" / "programs" / "block_in_allreduce.py"
 FIRST_LINE = [sys.executable, "-c", "import os; print('first line of rank', os.environ['RANK'])"]
-CAP = 120.0
+CAP = 600.0
+DDP = [sys.executable, str(ROOT / "examples" / "ddp_mnist.py")]
+RAY_RANKS = ROOT / "bench" / "ray_ranks.py"
 PIDS_DIR = tempfile.mkdtemp(prefix="bench-command-")  # where the blocking program notes pids
 
 
@@ -108,9 +117,10 @@ class FirstLines:
         self.lock = threading.Lock()
 
     def line(self, index: int, text: str) -> None:
-        if "first line of rank" not in text:
+        found = re.search(r"first line of rank (\d+)\b", text)
+        if found is None:
             return
-        rank = int(text.rsplit(" ", 1)[1])
+        rank = int(found[1])
         with self.lock:
             self.seen.setdefault(rank, time.monotonic())
             if len(self.seen) == self.n:
@@ -233,6 +243,94 @@ def launch_torchrun(started: Started, n: int, on_line: Callable[[int, str], None
     return [ranks[i] for i in range(n)]
 
 
+class StepTimes:
+    """When rank 0's first and last DDP step lines arrived."""
+
+    def __init__(self, steps: int) -> None:
+        self.last, self.first, self.at_last = steps - 1, 0.0, 0.0
+        self.done = threading.Event()
+
+    def line(self, index: int, text: str) -> None:
+        found = re.search(r"\brank 0 step (\d+) loss", text)
+        if found is None:
+            return
+        if int(found[1]) == 0:
+            self.first = time.monotonic()
+        elif int(found[1]) == self.last:
+            self.at_last = time.monotonic()
+            self.done.set()
+
+    def rate(self) -> float:
+        return self.last / (self.at_last - self.first)
+
+
+def ddp_steps_per_second(etcd: EmbeddedEtcd | None, n: int, steps: int) -> float:
+    """Rank 0's training steps per second, under ours (`etcd` given) or torchrun."""
+    started, times = Started(), StepTimes(steps)
+    program = [*DDP, "--steps", str(steps)]
+    try:
+        if etcd is not None:
+            started.start(
+                [sys.executable, "-m", "coordinator", "run", "--workers", str(n), "--etcd",
+                 etcd.endpoint, "--namespace", f"/bench-ddp-{free_port()}", "--", *program],
+                times.line,
+            )  # fmt: skip
+        else:
+            port = free_port()
+            for _ in range(n):
+                started.start(torchrun_args(n, port, program), times.line)
+        if not started.wait(times.done, CAP):
+            raise RuntimeError("the DDP run did not reach its last step")
+        return times.rate()
+    finally:
+        started.stop_all()
+
+
+def startup_ray(ray_python: str, address: str, gcs: str, n: int) -> float:
+    """`ray job submit` of an entrypoint starting n actors, until each printed its line."""
+    started, lines = Started(), FirstLines(n)
+    ray = str(Path(ray_python).parent / "ray")
+    began = time.monotonic()
+    try:
+        started.start(
+            [ray, "job", "submit", "--address", address, "--", ray_python, str(RAY_RANKS),
+             str(n), gcs],
+            lines.line,
+        )  # fmt: skip
+        return (max(lines.seen.values()) - began) if started.wait(lines.done, CAP) else float("inf")
+    finally:
+        started.stop_all()
+
+
+def ray_head(ray_python: str) -> tuple[Started, str, str]:
+    """A local Ray head on loopback (its processes, its job API and GCS addresses), ready
+    for jobs; every line its actors print is passed on (no deduplication)."""
+    started, ready = Started(), threading.Event()
+    ray = str(Path(ray_python).parent / "ray")
+    dashboard, gcs = free_port(), free_port()
+    started.start(
+        [ray, "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "2",
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+         "--node-ip-address", "127.0.0.1", "--disable-usage-stats"],
+        lambda index, text: None,
+        env={"RAY_DEDUP_LOGS": "0"},
+    )  # fmt: skip
+    address = f"http://127.0.0.1:{dashboard}"
+    deadline = time.monotonic() + 120
+    while not ready.is_set() and time.monotonic() < deadline:
+        probe = subprocess.run(
+            [ray, "job", "list", "--address", address], capture_output=True, check=False
+        )
+        if probe.returncode == 0:
+            ready.set()
+        else:
+            time.sleep(1)
+    if not ready.is_set():
+        started.stop_all()
+        raise RuntimeError("the Ray head did not start within 120 s")
+    return started, address, f"127.0.0.1:{gcs}"
+
+
 def seconds(value: float) -> str:
     return f"> {CAP:g} s" if value == float("inf") else f"{value:.2f} s"
 
@@ -242,6 +340,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="4,8,16")
     parser.add_argument("--ttl", type=int, default=5, help="our lease TTL in the lost-peer runs")
     parser.add_argument("--lost-n", type=int, default=4)
+    parser.add_argument("--ddp-steps", type=int, default=300)
+    parser.add_argument("--ray-python", help="a Python with ray[default], to compare Ray jobs")
+    parser.add_argument("--skip-lost", action="store_true", help="leave out the lost-peer runs")
     args = parser.parse_args()
     os.umask(0o077)
     with EmbeddedEtcd() as etcd:
@@ -251,6 +352,26 @@ def main() -> None:
         for n in map(int, args.sizes.split(",")):
             ours, theirs = startup_ours(etcd, n), startup_torchrun(n)
             print(f"{n:>4} {seconds(ours):>10} {seconds(theirs):>10} {theirs / ours:>14.2f}")
+        if args.ray_python:
+            head, address, gcs = ray_head(args.ray_python)
+            try:
+                print("start-up: `ray job submit` (a Ray head already up), N actors' first lines")
+                print(f"{'N':>4} {'ours':>10} {'ray':>10} {'ray/ours':>14}")
+                for n in map(int, args.sizes.split(",")):
+                    ours = startup_ours(etcd, n)
+                    theirs = startup_ray(args.ray_python, address, gcs, n)
+                    row = f"{seconds(ours):>10} {seconds(theirs):>10} {theirs / ours:>14.2f}"
+                    print(f"{n:>4} {row}")
+            finally:
+                head.stop_all()
+        ours, theirs = (
+            ddp_steps_per_second(etcd, 2, args.ddp_steps),
+            ddp_steps_per_second(None, 2, args.ddp_steps),
+        )
+        print(f"DDP steps/s, N=2: ours {ours:.1f}  torchrun {theirs:.1f}  ours/torchrun "
+              f"{ours / theirs:.2f}")  # fmt: skip
+        if args.skip_lost:
+            return
         n = args.lost_n
         print(
             f"lost peer mid-all_reduce, N={n}: until every survivor stopped (ours: TTL {args.ttl}s,"
