@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -195,3 +196,25 @@ def test_a_killed_member_restarts_the_job_and_its_programs_are_all_gone(
     assert record["state"] == "SUCCEEDED", record["conditions"]
     assert len(record["attempts"]) == 2 and "rank 1" in record["attempts"][0]["outcome"]
     assert not any(psutil.pid_exists(pid) for pid in programs)  # reaped with their members
+
+
+def test_coordinator_submit_takes_a_program_after_dashes_and_env_from_the_shell(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    service = serve()
+    show = "import os; print('greeting', os.environ['RANK'], os.environ['GREETING'])"
+    cli = [sys.executable, "-m", "coordinator", "submit", "--server", service.url,
+           "--token", service.generated_token() or "", "--workers", "2", "--id", "by-cli",
+           "--env", "GREETING", "--wait", "--", *program(show)]  # fmt: skip
+    environment = {**os.environ, "GREETING": "from-the-shell"}
+    done = subprocess.run(cli, env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "from-the-shell" not in " ".join(cli)  # the value came from the environment
+    logs = service.http.get("/v1/jobs/by-cli/logs").text
+    assert "[rank 0] greeting 0 from-the-shell" in logs and "[rank 1] greeting 1" in logs
+    missing = subprocess.run(
+        [*cli[:-4], "--env", "NOT_SET_ANYWHERE_4711", "--", "true"],
+        env=environment, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    said = " ".join(missing.stderr.replace("│", " ").split())  # typer's error box, unwrapped
+    assert missing.returncode == 2 and "'NOT_SET_ANYWHERE_4711' is not set in this" in said

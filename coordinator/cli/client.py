@@ -27,7 +27,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.cli.options import JobKind, ParamOption, parse_labels, parse_param_option
+from coordinator.cli.members import member_kind
+from coordinator.cli.options import (
+    MemberKind,
+    ParamOption,
+    parse_env,
+    parse_labels,
+    parse_param_option,
+    program_after_dashes,
+)
 
 out = Console()
 err = Console(stderr=True)
@@ -129,7 +137,11 @@ def _detail(response: httpx.Response) -> str:
 
 
 def submit(
-    kind: Annotated[JobKind, typer.Argument(help="job kind")],  # type: ignore[valid-type]
+    ctx: typer.Context,
+    kind: Annotated[
+        MemberKind | None,  # type: ignore[valid-type]
+        typer.Argument(help="job kind [command when a program follows --]", show_default=False),
+    ] = None,
     workers: Annotated[int, typer.Option(min=1, help="number of members")] = 2,
     param: ParamOption = None,
     job_id: Annotated[str | None, typer.Option("--id", help="job id [generated]")] = None,
@@ -143,13 +155,29 @@ def submit(
     agent_selector: Annotated[
         list[str] | None, typer.Option(help="KEY=VALUE an agent must carry (repeat)")
     ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="command jobs: NAME=VALUE, or NAME for this shell's value, in the program's "
+            "environment (repeat)"
+        ),
+    ] = None,
+    working_dir: Annotated[
+        str | None,
+        typer.Option(help="command jobs: the program's folder, under the service's root"),
+    ] = None,
     wait: Annotated[bool, typer.Option(help="follow the job to its end")] = False,
     server: ServerOption = "http://127.0.0.1:8080",
     token: TokenOption = None,
 ) -> None:
-    """Submit a job (safe to retry with the same --id)."""
+    """Submit a job (safe to retry with the same --id).
+
+    `coordinator submit --workers N -- PROGRAM [ARGS...]` submits your program as a
+    `command` job (an exec token's right)."""
+    program = program_after_dashes(ctx)
+    kind_name = member_kind(kind.value if kind else None, program, default=None)
     spec: dict[str, Any] = {
-        "kind": kind.value,
+        "kind": kind_name,
         "workers": workers,
         "params": parse_param_option(param),
         "max_restarts": max_restarts,
@@ -157,6 +185,12 @@ def submit(
         "labels": parse_labels(label),
         "agent_selector": parse_labels(agent_selector),
     }
+    if program is not None:
+        spec["command"] = program
+    if env:
+        spec["env"] = parse_env(env)
+    if working_dir:
+        spec["working_dir"] = working_dir
     if launcher:
         spec["launcher"] = launcher
     if job_id:

@@ -166,12 +166,26 @@ def parse_param_option(param: list[str] | None) -> dict[str, str]:
         raise typer.BadParameter(str(exc), param_hint="--param") from None
 
 
-def parse_labels(items: list[str] | None) -> dict[str, str]:
+def parse_labels(items: list[str] | None, option: str = "--label") -> dict[str, str]:
     """`--label KEY=VALUE` options as a dict; a malformed one is a usage error."""
     labels = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint=option)
         labels[key] = value
     return labels
+
+
+def parse_env(items: list[str] | None) -> dict[str, str]:
+    """`--env NAME=VALUE`, or `--env NAME` for this shell's value of NAME (so a secret
+    need not be written in the command line, where `ps` shows it)."""
+    env = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            if name not in os.environ:
+                raise typer.BadParameter(f"{name!r} is not set in this shell", param_hint="--env")
+            value = os.environ[name]
+        env[name] = value
+    return env
