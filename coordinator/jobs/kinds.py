@@ -90,6 +90,23 @@ class Barrier(BaseModel):
     default_method: str | None  # None: the submitter must choose
 
 
+class SpecField(BaseModel):
+    """A field of the job's spec (beside `params`) that the kind takes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    type: Literal["list", "map", "text"]  # a JSON list of text, a JSON object of text, text
+    description: str
+
+
+PROGRAM_FIELDS = (
+    SpecField(name="command", type="list", description="the program and its arguments"),
+    SpecField(name="env", type="map", description="the program's extra variables"),
+    SpecField(name="working_dir", type="text", description="the program's folder"),
+)
+
+
 class KindInfo(BaseModel):
     """What `GET /v1/kinds` says of a kind: enough for a form and a job's page."""
 
@@ -104,6 +121,7 @@ class KindInfo(BaseModel):
     barrier: Barrier | None
     needs_exec: bool  # only an exec token may submit it
     takes_command: bool  # takes `command`, `env` and `working_dir`
+    spec_fields: list[SpecField]  # those fields, for a form
 
 
 WORKERS = (RoleSpan(role="worker"),)
@@ -177,6 +195,7 @@ class JobKind:
             barrier=self.barrier,
             needs_exec=self.needs_exec,
             takes_command=self.takes_command,
+            spec_fields=list(PROGRAM_FIELDS) if self.takes_command else [],
         )
 
 
