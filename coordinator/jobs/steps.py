@@ -31,14 +31,13 @@ from coordinator.barriers.live import LiveBarrier, OnLoss
 from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.events import emit
 from coordinator.jobs import catalog
-from coordinator.jobs.catalog import names
 from coordinator.jobs.params import check_known, float_param, int_param
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
 REPORT_SECONDS = 0.5  # at most this often a `step` event (progress) is printed
-KNOWN = names(catalog.STEPS)
+KNOWN = catalog.names(catalog.STEPS)
 
 
 @dataclass(frozen=True)
