@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from playwright.sync_api import Browser, expect, sync_playwright
 
 from coordinator.etcd.client import Etcd
+from coordinator.jobs.kinds import KINDS
 from coordinator.service.model import JobSpec, JobState
 from coordinator.service.states import advance
 from coordinator.service.store import JobStore
@@ -141,6 +143,7 @@ def test_a_job_submitted_through_the_form_is_followed_live_to_succeeded(
     expect(members).to_have_count(2)
     expect(members.locator("td.phase")).to_have_text(["done", "done"])
     expect(members.locator("td.exit")).to_have_text(["0", "0"])
+    expect(members.locator("td.role")).to_have_text(["worker", "worker"])  # the kind's roles
     ranks = sorted(members.locator("td.rank").all_inner_texts())
     assert ranks == ["0", "1"], ranks
     for address in members.locator("td.address").all_inner_texts():
@@ -334,6 +337,8 @@ def test_a_reader_sees_no_controls_and_a_submitter_does(
     submitter.route("#/submit")
     expect(submitter.page.locator("button#submit-job")).to_be_enabled()
     expect(submitter.page.locator("form#submit-form [name=kind]")).to_be_visible()
+    offered = submitter.page.locator("form#submit-form [name=kind] option")  # no exec: no
+    expect(offered).to_have_text([k for k in KINDS if not KINDS[k].needs_exec])  # programs
 
     for page in (reader, submitter):  # a token in a URL ends up in logs and history
         leaked = [r for r in page.requests if READ_TOKEN in r or SUBMIT_TOKEN in r]
@@ -341,6 +346,91 @@ def test_a_reader_sees_no_controls_and_a_submitter_does(
     service.http.post("/v1/jobs/dash-auth/cancel")
     reader.assert_clean()
     submitter.assert_clean()
+
+
+# -- kinds come from /v1/kinds ----------------------------------------------------------------
+
+APP_JS = Path(__file__).resolve().parent.parent / "coordinator" / "web" / "app.js"
+
+
+def without_comments(source: str) -> str:
+    """JavaScript without its // line comments and /* */ blocks (a "//" inside a string,
+    as in a URL, is kept: only one that starts a line or follows whitespace is a comment)."""
+    source = re.sub(r"/\*.*?\*/", "", source, flags=re.DOTALL)
+    return re.sub(r"(^|\s)//.*$", r"\1", source, flags=re.MULTILINE)
+
+
+def test_the_page_names_no_kind() -> None:
+    code = without_comments(APP_JS.read_text())
+    assert "fetch(path" in code and "/v1/kinds" in code  # the check reads the real code
+    named = re.compile(rf"\b({'|'.join(map(re.escape, KINDS))})\b")
+    found = [
+        f"app.js:{number}: {line.strip()}"
+        for number, line in enumerate(code.splitlines(), 1)
+        if named.search(line)
+    ]
+    assert not found, "kind names in the dashboard's code (they come from /v1/kinds):\n" + (
+        "\n".join(found)
+    )
+    assert named.search("const kinds = ['noop']")  # the pattern does find a name
+
+
+def test_the_forms_kinds_and_their_help_come_from_v1_kinds(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    pages: Callable[..., Watched],
+) -> None:
+    service = serve()
+    served = service.http.get("/v1/kinds").json()["kinds"]
+    page = signed_in(pages, service, "#/submit")
+    form = page.page.locator("form#submit-form")
+    expect(form.locator("[name=kind] option")).to_have_text([k["name"] for k in served])
+    filters = signed_in(pages, service, "#/")
+    expect(filters.page.locator("#filter-kind option")).to_have_text(
+        ["any kind", *[k["name"] for k in served]]
+    )
+    for kind in served:
+        form.locator("[name=kind]").select_option(kind["name"])
+        expect(page.page.locator("#kind-description")).to_have_text(kind["description"])
+        rows = page.page.locator("#param-help tbody tr")
+        expect(rows).to_have_count(len(kind["params"]))
+        assert rows.evaluate_all("rows => rows.map((row) => row.dataset.param)") == [
+            p["name"] for p in kind["params"]
+        ]
+        example = "\n".join(f"{k}={v}" for k, v in kind["example"].items())
+        expect(form.locator("[name=params]")).to_have_attribute("placeholder", example)
+        program = form.locator("input[name=command]")
+        expect(program).to_have_count(1 if kind["takes_command"] else 0)
+    ps = page.page.locator('#param-help tr[data-param="grace_seconds"] td')
+    expect(ps).to_have_text(["grace_seconds", "number", "10", re.compile("SIGKILL")])
+    page.assert_clean()
+    filters.assert_clean()
+
+
+def test_a_command_job_shows_its_members_and_their_logs(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    pages: Callable[..., Watched],
+) -> None:
+    service = serve()  # its generated token (service.http's) has the exec role
+    code = "import os; print('greetings from rank', os.environ['RANK'], flush=True)"
+    spec = {"id": "dash-prog", "kind": "command", "workers": 2,
+            "command": [sys.executable, "-c", code]}  # fmt: skip
+    response = service.http.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    page = signed_in(pages, service, "#/jobs/dash-prog")
+    expect(page.page.locator("#job-state")).to_have_text("SUCCEEDED", timeout=90 * SECONDS)
+    members = page.page.locator("table#members tr[data-index]")
+    expect(members).to_have_count(2)
+    expect(members.locator("td.rank")).to_have_text(["0", "1"])
+    expect(members.locator("td.role")).to_have_text(["worker", "worker"])
+    expect(members.locator("td.exit")).to_have_text(["0", "0"])
+    logs = page.page.locator("pre#logs")
+    expect(logs).to_contain_text("greetings from rank 0")
+    expect(logs).to_contain_text("greetings from rank 1")
+    page.page.locator("select#log-rank").select_option(label="rank 1")
+    expect(logs).to_contain_text("greetings from rank 1")
+    expect(logs).not_to_contain_text("greetings from rank 0")
+    expect(page.page.locator("[data-shows]:visible")).to_have_count(0)  # no charts: no data
+    page.assert_clean()
 
 
 # -- the simulator ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from xgboost.tracker import RabitTracker
 
 from coordinator.datasets import DataSource, Layout, Shard, check_shards, load_shard, parse_source
 from coordinator.events import emit
+from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.rendezvous.errors import MemberLost
 
@@ -44,31 +45,9 @@ if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
 JOB = "xgboost"
-DEFAULT_DATA = "breast_cancer"
-
-#: Our own parameters: where the data is and how the job runs.
-OWN = {
-    "data": f"training data: .csv/.parquet/.libsvm path or glob, synthetic:ROWSxFEATURES[:SEED], "
-    f"or {DEFAULT_DATA} (default)",
-    "eval_data": "evaluation data, in the same forms (each member evaluates its shard)",
-    "label_column": "the label: CSV column index (default 0), Parquet column (default label)",
-    "num_features": "LibSVM matrix width (default: scan for the largest index)",
-    "rounds": "boosting rounds (default 10)",
-    "early_stopping_rounds": "stop when the eval metric has not improved for this many rounds",
-    "nthread": "threads per member (default 1)",
-    "artifacts": "model directory (default $COORDINATOR_ARTIFACTS, else ./artifacts)",
-    "model_format": "json (default) or ubj",
-    "collective_timeout": "seconds one collective operation may take (default 300)",
-}
-
-#: Booster parameters passed through to XGBoost as given.
-BOOSTER = (
-    "objective", "eval_metric", "max_depth", "eta", "learning_rate", "min_child_weight",
-    "subsample", "colsample_bytree", "colsample_bylevel", "colsample_bynode", "lambda",
-    "reg_lambda", "alpha", "reg_alpha", "gamma", "min_split_loss", "max_bin", "max_leaves",
-    "grow_policy", "scale_pos_weight", "max_delta_step", "num_class", "base_score", "seed",
-    "num_parallel_tree", "tree_method", "verbosity", "max_cat_to_onehot", "multi_strategy",
-)  # fmt: skip
+DEFAULT_DATA = catalog.XGBOOST_DEFAULT_DATA
+OWN = catalog.names(catalog.XGBOOST)  # where the data is and how the job runs
+BOOSTER = catalog.names(catalog.XGBOOST_BOOSTER)  # passed through to XGBoost as given
 
 #: Options distributed training refuses, or this CPU-only build cannot honour.
 REFUSED = {

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.etcd.client import KeyValue
+from coordinator.jobs import catalog
 from coordinator.jobs.environment import (
     PROGRAM_DIR,
     PROGRAM_ENV,
@@ -50,11 +51,8 @@ if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
 JOB = "command"
-DEFAULT_GRACE = 10.0
-PARAMS = {
-    "grace_seconds": f"seconds from SIGTERM to SIGKILL of the program (default {DEFAULT_GRACE:g})",
-    "artifacts": "artifacts root; the program gets <root>/<job> as $COORDINATOR_ARTIFACTS",
-}
+DEFAULT_GRACE = catalog.COMMAND_GRACE
+PARAMS = catalog.names(catalog.COMMAND)
 
 
 def check_program(program: Sequence[str]) -> list[str]:

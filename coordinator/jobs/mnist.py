@@ -55,8 +55,9 @@ from coordinator.datasets.mnist import (
 )
 from coordinator.datasets.shards import plan
 from coordinator.events import emit
+from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
-from coordinator.jobs.steps import BARRIER_PARAMS, parse_barrier, parse_stop, parse_straggler
+from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, MnistNet, server_tensors
 from coordinator.ps.optim import OptimizerSpec
@@ -70,28 +71,7 @@ if TYPE_CHECKING:
 JOB = "mnist"
 CLASSES = 10
 
-KNOWN = {
-    "data": "digits (builtin, 4,000 + 1,000 real digits) or a directory of MNIST IDX files",
-    "ps": "number of parameter servers (default 1)",
-    **BARRIER_PARAMS,
-    "epochs": "passes over each trainer's shard (default 5)",
-    "num_steps": "steps per trainer",
-    "last_step": "absolute final clock",
-    "batch_size": "samples per trainer step (default 32)",
-    "optimizer": "sgd (default, with momentum) or adam",
-    "lr": "learning rate (default 0.02 for sgd, 0.001 for adam)",
-    "momentum": "sgd momentum (default 0.9)",
-    "lr_decay": "the learning rate is multiplied by this after each epoch's updates (default 0.7)",
-    "aggregate": "bsp only: average each step's gradients into one update (default false)",
-    "straggler_rank": "trainer rank slowed down",
-    "straggler_factor": "its compute time is multiplied by this",
-    "eval_seconds": "seconds between test-set evaluations (default 2)",
-    "checkpoint_every": "server updates between checkpoints (default 500; 0: none)",
-    "resume": "true: continue from the servers' last checkpoints",
-    "seed": "model initialisation and data order (default 0)",
-    "threads": "PyTorch threads per member (default 1)",
-    "artifacts": "model directory (default $COORDINATOR_ARTIFACTS, else ./artifacts)",
-}
+KNOWN = catalog.names(catalog.MNIST)
 
 
 @dataclass(frozen=True)

@@ -30,31 +30,14 @@ from typing import TYPE_CHECKING
 from coordinator.barriers.live import LiveBarrier, OnLoss
 from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.events import emit
+from coordinator.jobs import catalog
 from coordinator.jobs.params import check_known, float_param, int_param
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
 
-#: Parameters of the step barrier, shared by every job whose steps it paces.
 REPORT_SECONDS = 0.5  # at most this often a `step` event (progress) is printed
-
-BARRIER_PARAMS = {
-    "method": "bsp|ssp|asp|pbsp|pssp|dssp",
-    "staleness": "SSP/pSSP s, DSSP S_L",
-    "staleness_upper": "DSSP S_U",
-    "sample": "pBSP/pSSP beta",
-    "on_loss": "fail|continue",
-}
-
-KNOWN = {
-    **BARRIER_PARAMS,
-    "num_steps": "steps per worker",
-    "last_step": "absolute final clock",
-    "step_seconds": "seconds per step",
-    "straggler_rank": "rank slowed down",
-    "straggler_factor": "its slowdown",
-    "seed": "sample seed",
-}
+KNOWN = catalog.names(catalog.STEPS)
 
 
 @dataclass(frozen=True)

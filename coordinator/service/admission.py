@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV, shape_only
+from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV
 from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
@@ -114,31 +114,9 @@ def admit_params(kind: str, params: dict[str, str], roots: Roots) -> dict[str, s
 
 def check_kind(kind: str, params: dict[str, str], workers: int) -> None:
     """The kind's own parameter checks, reading no file (a ValueError names the field)."""
-    from coordinator.jobs import JOB_KINDS
+    from coordinator.jobs.kinds import kind_of
 
-    with shape_only():
-        if kind == "xgboost":
-            from coordinator.datasets import check_shards
-            from coordinator.jobs.boosting import parse
-
-            options = parse(params)
-            for source in (options.data, options.eval_data):
-                if source is not None and source.kind in ("synthetic", "builtin"):
-                    check_shards(source, workers)  # no file: rows per member, counted
-        elif kind == "mnist":
-            from coordinator.jobs import mnist_module
-
-            # A folder's files are the members' to read: its shape was checked above.
-            shaped = {**params, "data": MNIST_BUILTIN} if "data" in params else params
-            mnist_module().parse(shaped, workers)
-        elif kind == COMMAND:
-            from coordinator.jobs.command import JOB, PARAMS
-            from coordinator.jobs.params import check_known, float_param
-
-            check_known(JOB, params, PARAMS)  # the program is the member's to find
-            float_param(JOB, params, "grace_seconds", 0.0)
-        else:
-            JOB_KINDS[kind](params, workers).close()
+    kind_of(kind).check(params, workers)
 
 
 def confine(field: str, text: str, root: Path) -> str:

@@ -19,10 +19,12 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
-from coordinator.jobs import COMMAND, JOB_KINDS
+from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import KINDS, KindInfo
 from coordinator.service.admission import (
     Refused,
     Roots,
@@ -43,6 +45,10 @@ log = logging.getLogger(__name__)
 API = "/v1"
 FOLLOW_POLL_SECONDS = 0.25  # how often a followed log is read again (no file events)
 MAX_REVISION = 2**63 - 2  # etcd's revisions are int64, and a watch starts one after
+
+
+class KindList(BaseModel):
+    kinds: list[KindInfo]
 
 
 @dataclass
@@ -164,6 +170,12 @@ def create_app(context: ApiContext) -> FastAPI:
         response.status_code = 201 if created else 200
         response.headers["Location"] = f"{API}/jobs/{record.id}"
         return record
+
+    @app.get(f"{API}/kinds", dependencies=reader)
+    def kinds() -> KindList:
+        """The job kinds this service runs: parameters (types, defaults, help), members'
+        roles by rank, the charts each has, and which need the exec role (a program)."""
+        return KindList(kinds=[kind.describe() for kind in KINDS.values()])
 
     @app.get(f"{API}/jobs", dependencies=reader)
     def list_jobs(
@@ -314,8 +326,8 @@ def create_app(context: ApiContext) -> FastAPI:
 def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
     """The spec with its id, or a 422 naming the field: the kind's own parameter checks
     run here, so a bad job is refused before anything starts."""
-    if spec.kind not in JOB_KINDS and spec.kind != COMMAND:
-        known = ", ".join([*JOB_KINDS, COMMAND])
+    if spec.kind not in KINDS:
+        known = ", ".join(KINDS)
         raise invalid(["kind"], f"unknown job kind {spec.kind!r} (known: {known})")
     if "launcher" not in spec.model_fields_set:
         spec = spec.model_copy(update={"launcher": context.default_launcher})

@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import WatchEvent
+from coordinator.jobs.kinds import KINDS
 from coordinator.service import simulation
 from coordinator.service.boundary import GONE_KEY
 from coordinator.service.model import JobRecord, Member
@@ -182,9 +183,10 @@ def _record(context: ApiContext, job_id: str) -> JobRecord:
 
 
 def _barrier_params(record: JobRecord) -> dict[str, str]:
-    if record.spec.kind == "mnist":
-        return {"method": "bsp", **record.spec.params}  # the mnist job's default
-    return dict(record.spec.params)
+    """The parameters with the kind's default barrier method (a kind unknown here: as given)."""
+    kind = KINDS.get(record.spec.kind)
+    barrier = kind.barrier_params(record.spec.params) if kind is not None else None
+    return barrier if barrier is not None else dict(record.spec.params)
 
 
 def _members(record: JobRecord) -> list[Member]:

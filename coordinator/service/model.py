@@ -46,7 +46,7 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: Annotated[str, Field(pattern=ID_PATTERN, description="[generated when absent]")] = ""
-    kind: Annotated[str, Field(description="noop, steps, xgboost, mnist or command")]
+    kind: Annotated[str, Field(description="one of GET /v1/kinds")]
     workers: Annotated[int, Field(ge=1, le=1024)]
     params: dict[str, str] = Field(default_factory=dict)
     launcher: Annotated[Launcher, Field(description="[the service's default]")] = Launcher.LOCAL

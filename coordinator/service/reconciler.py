@@ -54,6 +54,7 @@ from coordinator.etcd.users import (
     revoke_job,
 )
 from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import kind_of
 from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
@@ -345,9 +346,7 @@ class Reconciler:
             "--etcd", self.settings.etcd, "--namespace", self.settings.namespace,
             "--kind", spec.kind, "--ttl", str(self.settings.member_ttl),
         ]  # fmt: skip
-        params = dict(spec.params)
-        if spec.kind == "mnist" and attempt > 1:
-            params.setdefault("resume", "true")  # a new attempt continues from the checkpoint
+        params = kind_of(spec.kind).retry_params(spec.params, attempt)  # e.g. mnist resumes
         for name, value in params.items():
             args += ["--param", f"{name}={value}"]
         if spec.kind == COMMAND and spec.command:  # a list, never joined; env and folder

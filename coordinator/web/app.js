@@ -6,7 +6,8 @@ import { PALETTE, histogram, lineChart, makeSvg } from "/ui/charts.js";
 
 const FINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 const STATES = ["PENDING", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED"];
-const KINDS = ["noop", "steps", "xgboost", "mnist"];
+// The job kinds, as `GET /v1/kinds` describes them: this page names none of its own.
+const kinds = { list: [], byName: new Map() };
 const LAUNCHERS = ["local", "docker", "agents", "kubernetes"];
 const TOKEN_KEY = "coordinator-token";
 const JOBS_REFRESH_MS = 2000;
@@ -75,6 +76,22 @@ async function stream(path, onEvent, signal) {
     }
     buffer += held;
   }
+}
+
+async function loadKinds() {
+  if (kinds.list.length) return;
+  const response = await api("/v1/kinds");
+  if (!response.ok) throw new Error(`/v1/kinds: ${response.status}`);
+  const body = await response.json();
+  kinds.list = body.kinds;
+  kinds.byName = new Map(body.kinds.map((kind) => [kind.name, kind]));
+}
+
+// The kinds this token may submit (all of them, to filter or read).
+function kindOptions(forSubmit = false) {
+  return kinds.list
+    .filter((kind) => !forSubmit || !kind.needs_exec || session.role === "exec")
+    .map((kind) => `<option value="${escape(kind.name)}">${escape(kind.name)}</option>`).join("");
 }
 
 function quietly(promise) {
@@ -190,6 +207,12 @@ function route() {
   const hash = location.hash || "#/";
   for (const link of document.querySelectorAll("[data-nav]")) link.classList.remove("active");
   const signal = stopPage();
+  quietly(loadKinds().then(() => {
+    if (!signal.aborted) showPage(hash, signal);
+  }));
+}
+
+function showPage(hash, signal) {
   let match;
   if ((match = hash.match(/^#\/jobs\/([^/]+)$/))) return jobPage(decodeURIComponent(match[1]), signal);
   if (hash === "#/submit") return submitPage(signal);
@@ -211,7 +234,7 @@ function jobsPage(signal) {
         <h1>Jobs <span class="count" id="jobs-count">0</span></h1>
         <div class="filters">
           <select id="filter-state"><option value="">any state</option>${STATES.map((s) => `<option>${s}</option>`).join("")}</select>
-          <select id="filter-kind"><option value="">any kind</option>${KINDS.map((k) => `<option>${k}</option>`).join("")}</select>
+          <select id="filter-kind"><option value="">any kind</option>${kindOptions()}</select>
           <input id="filter-label" placeholder="label key=value" size="18">
         </div>
       </div>
@@ -400,8 +423,8 @@ class JobView {
     } else if (event.event === "step") {
       (this.logged[event.rank] ||= []).push([event.t, event.clock]);
     } else if (event.event === "done") {
-      for (const [behind, steps] of Object.entries(event.result?.staleness || {})) {
-        this.reported[behind] = (this.reported[behind] || 0) + steps;
+      for (const [behind, count] of Object.entries(event.result?.staleness || {})) {
+        this.reported[behind] = (this.reported[behind] || 0) + count;
       }
     }
     this.markDirty();
@@ -472,7 +495,7 @@ class JobView {
     };
     lineChart(document.getElementById("chart-clocks"), {
       series, band, xLabel: "seconds", yLabel: "step clock",
-      emptyText: "no step clocks (barrier jobs: steps, mnist)",
+      emptyText: "no step clocks (only kinds with a step barrier have them)",
     });
     const gaps = this.gapSeries(Object.keys(this.clocks).sort((a, b) => a - b), start);
     if (this.bound != null && gaps.length) {
@@ -481,7 +504,7 @@ class JobView {
     }
     lineChart(document.getElementById("chart-gaps"), {
       series: gaps, xLabel: "seconds", yLabel: "ahead of slowest", zero: true,
-      emptyText: "steps ahead of the slowest, drawn live while the job runs (the whole run: Staleness)",
+      emptyText: "clock lead over the slowest, drawn live while the job runs (the whole run: Staleness)",
     });
   }
 
@@ -518,8 +541,8 @@ class JobView {
       : "How far each trainer was ahead of the slowest when it began each step.";
     histogram(document.getElementById("chart-staleness"), {
       bins,
-      xLabel: reported ? "versions behind" : "steps ahead of the slowest",
-      yLabel: reported ? "steps" : "observations",
+      xLabel: reported ? "versions behind" : "clock lead over the slowest",
+      yLabel: reported ? "step count" : "observations",
       emptyText: "appears once trainers step",
     });
   }
@@ -528,10 +551,10 @@ class JobView {
     const first = this.record === null;
     this.record = record;
     if (first) {
-      // Only the charts the kind has data for: curves (xgboost, mnist), clocks (steps, mnist).
-      const shows = { curve: ["xgboost", "mnist"], clocks: ["steps", "mnist"] };
+      // Only the charts the kind has data for (as /v1/kinds says).
+      const charts = kinds.byName.get(record.spec.kind)?.charts || [];
       for (const card of document.querySelectorAll("[data-shows]")) {
-        card.hidden = !shows[card.dataset.shows].includes(record.spec.kind);
+        card.hidden = !charts.includes(card.dataset.shows);
       }
     }
     const stateEl = document.getElementById("job-state");
@@ -643,13 +666,23 @@ class JobView {
   }
 }
 
-// What a rank does in its job, where the kind gives ranks roles.
+// What a rank does in its job: the kind's roles are spans of ranks, in order, each of a
+// parameter's count (else its default); the last takes every rank left.
+function kindRole(record, rank) {
+  let start = 0;
+  for (const span of kinds.byName.get(record.spec.kind)?.roles || []) {
+    if (span.count_param == null) return span.role;
+    const count = Number.parseInt(record.spec.params[span.count_param] ?? span.count_default, 10);
+    start += Number.isNaN(count) ? span.count_default : count;
+    if (rank < start) return span.role;
+  }
+  return "";
+}
+
 function memberRole(record, rank) {
   if (rank == null) return "";
   const params = record.spec.params;
-  const servers = Number(params.servers || 1);
-  const parts = [];
-  if (record.spec.kind === "mnist") parts.push(rank < servers ? "server" : "trainer");
+  const parts = [kindRole(record, rank)].filter(Boolean);
   if (params.straggler_rank !== undefined && Number(params.straggler_rank) === rank) {
     parts.push(`straggler ×${params.straggler_factor || "?"}`);
   }
@@ -668,13 +701,18 @@ function submitPage(signal) {
     <section class="card narrow">
       <h1>Submit a job</h1>
       <form id="submit-form" class="form">
-        <label>Kind <select name="kind">${KINDS.map((k) => `<option>${k}</option>`).join("")}</select></label>
+        <label>Kind <select name="kind">${kindOptions(true)}</select></label>
+        <p class="muted small" id="kind-description"></p>
         <p class="field-error" data-field="kind"></p>
         <label>Workers <input name="workers" type="number" min="1" value="2" required></label>
         <p class="field-error" data-field="workers"></p>
         <label>Parameters <span class="muted small">one key=value per line</span>
           <textarea name="params" rows="5"></textarea></label>
         <p class="field-error" data-field="params"></p>
+        <details id="param-help"><summary class="small">parameters of this kind</summary>
+          <table class="table small"><thead><tr><th>name</th><th>type</th><th>default</th><th>what</th></tr></thead><tbody></tbody></table>
+        </details>
+        <div id="spec-fields"></div>
         <div class="row">
           <label>Launcher <select name="launcher"><option value="">service default</option>${LAUNCHERS.map((l) => `<option>${l}</option>`).join("")}</select></label>
           <label>Restarts <input name="max_restarts" type="number" min="0" value="0"></label>
@@ -688,13 +726,23 @@ function submitPage(signal) {
       </form>
     </section>`;
   const form = document.getElementById("submit-form");
-  const examples = {
-    noop: "seconds=10", steps: "method=ssp\nstaleness=2\nnum_steps=100\nstep_seconds=0.05",
-    xgboost: "rounds=30", mnist: "epochs=2\nmethod=ssp\nstaleness=2",
+  const describeKind = () => {
+    const kind = kinds.byName.get(form.kind.value);
+    if (!kind) return;
+    form.params.placeholder = Object.entries(kind.example).map(([k, v]) => `${k}=${v}`).join("\n");
+    document.getElementById("kind-description").textContent = kind.description;
+    document.querySelector("#param-help tbody").innerHTML = kind.params.map((p) => `
+      <tr data-param="${escape(p.name)}"><td>${escape(p.name)}</td>
+        <td class="muted">${escape(p.choices.length ? p.choices.join("|") : p.type)}</td>
+        <td>${escape(p.default ?? "")}</td><td>${escape(p.description)}</td></tr>`).join("");
+    document.getElementById("spec-fields").innerHTML = kind.spec_fields.map((f) => `
+      <label>${escape(f.name)} <span class="muted small">${escape(f.description)}${
+        f.type === "list" ? ", a JSON list" : f.type === "map" ? ", a JSON object" : ""}</span>
+        <input name="${escape(f.name)}" data-spec-field="${escape(f.type)}" autocomplete="off"></label>
+      <p class="field-error" data-field="${escape(f.name)}"></p>`).join("");
   };
-  const example = () => { form.params.placeholder = examples[form.kind.value] || ""; };
-  form.kind.addEventListener("change", example);
-  example();
+  form.kind.addEventListener("change", describeKind);
+  describeKind();
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     for (const el of form.querySelectorAll(".field-error")) el.textContent = "";
@@ -709,6 +757,20 @@ function submitPage(signal) {
     }
     const spec = { kind: form.kind.value, workers: Number(form.workers.value), params, max_restarts: Number(form.max_restarts.value || 0) };
     if (form.launcher.value) spec.launcher = form.launcher.value;
+    for (const input of form.querySelectorAll("[data-spec-field]")) {
+      const text = input.value.trim();
+      if (!text) continue;
+      if (input.dataset.specField === "text") {
+        spec[input.name] = text;
+        continue;
+      }
+      try {
+        spec[input.name] = JSON.parse(text);
+      } catch {
+        form.querySelector(`.field-error[data-field="${input.name}"]`).textContent = `not JSON: ${text}`;
+        return;
+      }
+    }
     if (form.id.value.trim()) spec.id = form.id.value.trim();
     const button = document.getElementById("submit-job");
     button.disabled = true;
