@@ -253,3 +253,30 @@ def test_serve_refuses_an_allowed_image_that_is_no_image_name(tmp_path: Path) ->
     )  # fmt: skip
     assert result.returncode != 0
     assert "--allowed-image" in result.stderr and "Not/Valid Image" in result.stderr
+
+
+def test_the_docker_launcher_starts_nothing_in_an_image_it_does_not_allow(tmp_path: Path) -> None:
+    """A record read from etcd is not trusted: a `command` job whose image the launcher
+    does not allow (a forged record, or a service restarted with another list) fails to
+    start, naming the image, before the engine is asked anything (there is none here)."""
+    from coordinator.service.images import ImagePolicy
+    from coordinator.service.launchers import Launch
+    from coordinator.service.launchers.docker import DockerLauncher
+    from coordinator.service.model import JobSpec
+
+    launcher = DockerLauncher(
+        "localhost/coordinator/worker:1",
+        "net",
+        f"unix://{tmp_path}/no-engine.sock",
+        "etcd:2379",
+        secrets_dir=tmp_path / "secrets",
+        images=ImagePolicy.of("localhost/coordinator/worker:1", ["ddp:*"]),
+    )
+    spec = JobSpec(kind="command", workers=1, launcher="docker", command=["true"])
+    forged = spec.model_copy(update={"image": "localhost/evil:1"})
+    with pytest.raises(ValueError, match="localhost/evil:1"):
+        launcher.start(Launch("run", 1, forged, ["--", "true"]), 0)
+    with pytest.raises(ValueError, match="is not allowed"):  # the default is not listed
+        launcher.image_of(spec)
+    assert launcher.image_of(spec.model_copy(update={"image": "ddp:2"})) == "ddp:2"
+    assert launcher.image_of(JobSpec(kind="noop", workers=1)) == "localhost/coordinator/worker:1"

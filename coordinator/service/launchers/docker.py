@@ -206,12 +206,13 @@ class DockerLauncher:
 
     def start(self, launch: Launch, index: int) -> Member:
         name = self.name(launch.run_id, launch.attempt, index)
+        image = self.image_of(launch.spec)  # before the engine: a refused image starts nothing
         client = self.client()
         container = self._find(client, name)
         if container is None:
             self.ensure_network()
             try:
-                container = self._run(client, name, launch, index)
+                container = self._run(client, name, launch, index, image)
             except APIError as exc:
                 if exc.status_code != 409:  # 409: another replica's, just created
                     self._network_ready = False  # removed meanwhile? looked at again
@@ -230,6 +231,7 @@ class DockerLauncher:
         name: str,
         launch: Launch,
         index: int,
+        image: str,
     ) -> Container:
         """Create and start the member (the image's entrypoint is `coordinator`)."""
         run_id, attempt = launch.run_id, launch.attempt
@@ -237,10 +239,7 @@ class DockerLauncher:
         environment, files = _etcd_settings(own_user=launch.credentials is None)
         environment.update(self._credentials(launch, files))
         settings["volumes"] = {**settings["volumes"], **files}
-        image, program = self.image, _program_settings(launch.spec)
-        if launch.spec.kind == COMMAND:
-            # Checked at submit; again here, as the record came from etcd.
-            image = self.images.check(launch.spec.image)
+        program = _program_settings(launch.spec)
         return client.containers.run(
             image,
             ["worker", *with_etcd(launch.worker_args, self.container_etcd)],
@@ -258,6 +257,14 @@ class DockerLauncher:
             **program,
             **settings,
         )
+
+    def image_of(self, spec: JobSpec) -> str:
+        """The image of the job's members: a `command` job's own (or the default), if
+        allowed (checked at submit; again here, as the record came from etcd: ValueError
+        naming the image otherwise); the worker image for the other kinds."""
+        if spec.kind == COMMAND:
+            return self.images.check(spec.image)
+        return self.image
 
     def _credentials(self, launch: Launch, files: dict[str, dict[str, str]]) -> dict[str, str]:
         """The member's per-job etcd user: its password written to a file of the
