@@ -13,6 +13,7 @@
 #                         only with compose.client-certs.yaml (etcd's --client-cert-auth)
 #   etcd-root-password    etcd's root user: the init container and the service
 #   agent-N-password      the etcd user of agent N (N = 1..AGENTS): that agent alone
+#   job-password          the etcd user of compose/ddp.yaml's job: its members alone
 #   tokens                the REST API's tokens (`submit` and `read`): the service
 #
 # Settings (environment): AGENTS (3), ETCD_SANS (extra names, e.g. "DNS:etcd.example,IP:10.0.0.5"),
@@ -77,6 +78,7 @@ while [ "$i" -le "$agents" ]; do
   secret > "$dir/agent-$i-password"
   i=$((i + 1))
 done
+secret > "$dir/job-password"
 printf '# written by init-secrets.sh: <role> <token>\nsubmit %s\nread %s\n' "$(secret)" "$(secret)" \
   > "$dir/tokens"
 
@@ -84,20 +86,20 @@ printf '# written by init-secrets.sh: <role> <token>\nsubmit %s\nread %s\n' "$(s
 # Certificates are public: 0444. The CA's key stays 0600, the invoker's, never mounted.
 chmod 0444 "$dir/ca.pem" "$dir/etcd.pem" "$dir/client.pem"
 chmod 0400 "$dir/etcd-key.pem" "$dir/client-key.pem" "$dir/etcd-root-password" \
-  "$dir"/agent-*-password "$dir/tokens"
+  "$dir"/agent-*-password "$dir/job-password" "$dir/tokens"
 if [ "$(id -u)" = 0 ]; then
   chown "$etcd_uid:$etcd_uid" "$dir/etcd-key.pem"
   chown "$coordinator_uid:$coordinator_uid" "$dir/client-key.pem" "$dir/etcd-root-password" \
-    "$dir"/agent-*-password "$dir/tokens"
+    "$dir"/agent-*-password "$dir/job-password" "$dir/tokens"
   echo "secrets in $dir (owners set for the containers' users)"
 else
   cat >&2 <<EOF
 secrets in $dir, owned by you: the containers' users cannot read them yet. Either
   sudo chown $etcd_uid $dir/etcd-key.pem
-  sudo chown $coordinator_uid $dir/client-key.pem $dir/etcd-root-password $dir/agent-*-password $dir/tokens
+  sudo chown $coordinator_uid $dir/client-key.pem $dir/etcd-root-password $dir/agent-*-password $dir/job-password $dir/tokens
 or, with rootless podman (uids are mapped):
   podman unshare chown $etcd_uid $dir/etcd-key.pem
-  podman unshare chown $coordinator_uid $dir/client-key.pem $dir/etcd-root-password $dir/agent-*-password $dir/tokens
+  podman unshare chown $coordinator_uid $dir/client-key.pem $dir/etcd-root-password $dir/agent-*-password $dir/job-password $dir/tokens
 EOF
 fi
 echo "API tokens: $dir/tokens (the 'submit' line is the one for coordinator submit)"

@@ -115,8 +115,14 @@ def test_only_exec_tokens_run_programs_and_bad_command_specs_are_named(
     assert loc[-1] == "command" and "noop" in msg
     loc, _ = field_of({**noop, "env": {"A": "b"}})
     assert loc[-1] == "env"
-    loc, _ = field_of({**spec, "launcher": "docker"})  # not enabled here, nor able to
+    loc, _ = field_of({**spec, "launcher": "docker"})  # not enabled here
     assert loc[-1] == "launcher"
+    loc, msg = field_of({**spec, "image": "python:3.12"})  # only containers have images
+    assert loc[-1] == "image" and "docker" in msg
+    loc, _ = field_of({**spec, "image": "Not An Image"})
+    assert loc[-1] == "image"
+    loc, _ = field_of({**noop, "image": "python:3.12"})
+    assert loc[-1] == "image"
 
 
 def test_a_command_job_runs_on_an_agent(
@@ -218,3 +224,82 @@ def test_coordinator_submit_takes_a_program_after_dashes_and_env_from_the_shell(
     )  # fmt: skip
     said = " ".join(missing.stderr.replace("│", " ").split())  # typer's error box, unwrapped
     assert missing.returncode == 2 and "'NOT_SET_ANYWHERE_4711' is not set in this" in said
+
+
+def test_the_docker_launcher_admits_command_jobs_only_in_allowed_images(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Admission only (the engine is never reached here): the service's own image and the
+    `--allowed-image` globs are admitted, anything else is a 422 naming `image`; the folder
+    is the container's (absolute, no `..`), never looked for on this host."""
+    service = serve(
+        "--docker-image", "localhost/coordinator/worker:1",
+        "--docker-etcd", "etcd.invalid:2379", "--docker-host", f"unix://{tmp_path}/no.sock",
+        "--allowed-image", "localhost/trainers/*", "--allowed-image", "ddp:*",
+    )  # fmt: skip
+    spec: dict[str, Any] = {
+        "kind": "command", "workers": 1, "launcher": "docker", "command": ["python", "x.py"],
+    }  # fmt: skip
+
+    def refused(body: dict[str, Any]) -> tuple[Any, str]:
+        answer = service.http.post("/v1/jobs", json=body)
+        assert answer.status_code == 422, answer.text
+        return answer.json()["detail"][0]["loc"][-1], answer.json()["detail"][0]["msg"]
+
+    for image in ("localhost/trainers/mnist:2", "ddp:latest"):
+        made = service.http.post("/v1/jobs", json={**spec, "image": image, "working_dir": "/srv"})
+        assert made.status_code == 201, made.text
+        assert made.json()["spec"]["image"] == image
+        assert made.json()["spec"]["working_dir"] == "/srv"  # not on this host: not checked
+    for image in ("python:3.12", "localhost/trainers/a/b:1", "ddp-evil:1", "localhost/ddp:1"):
+        field, message = refused({**spec, "image": image})
+        assert field == "image" and image in message and "ddp:*" in message
+    # Without an image: the service's own, which --allowed-image no longer includes.
+    field, message = refused(spec)
+    assert field == "image" and "localhost/coordinator/worker:1" in message
+    for folder in ("relative/dir", "/srv/../etc"):
+        field, _ = refused({**spec, "image": "ddp:1", "working_dir": folder})
+        assert field == "working_dir"
+    field, _ = refused({**spec, "image": "ddp:1", "launcher": "kubernetes"})
+    assert field == "launcher"
+
+
+def test_serve_refuses_an_allowed_image_that_is_no_image_name(tmp_path: Path) -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "serve", "--data-dir", str(tmp_path),
+         "--docker-image", "localhost/w:1", "--docker-etcd", "etcd:2379",
+         "--allowed-image", "Not/Valid Image"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "--allowed-image" in result.stderr and "Not/Valid Image" in result.stderr
+
+
+def test_the_docker_launcher_starts_nothing_in_an_image_it_does_not_allow(tmp_path: Path) -> None:
+    """A record read from etcd is not trusted: a `command` job whose image the launcher
+    does not allow (a forged record, or a service restarted with another list) fails to
+    start, naming the image, before the engine is asked anything (there is none here)."""
+    from coordinator.service.images import ImagePolicy
+    from coordinator.service.launchers import Launch
+    from coordinator.service.launchers.docker import DockerLauncher
+    from coordinator.service.model import JobSpec
+
+    launcher = DockerLauncher(
+        "localhost/coordinator/worker:1",
+        "net",
+        f"unix://{tmp_path}/no-engine.sock",
+        "etcd:2379",
+        secrets_dir=tmp_path / "secrets",
+        images=ImagePolicy.of("localhost/coordinator/worker:1", ["ddp:*"]),
+    )
+    spec = JobSpec(kind="command", workers=1, launcher="docker", command=["true"])
+    forged = spec.model_copy(update={"image": "localhost/evil:1"})
+    with pytest.raises(ValueError, match="localhost/evil:1"):
+        launcher.start(Launch("run", 1, forged, ["--", "true"]), 0)
+    with pytest.raises(ValueError, match="is not allowed"):  # the default is not listed
+        launcher.image_of(spec)
+    assert launcher.image_of(spec.model_copy(update={"image": "ddp:2"})) == "ddp:2"
+    assert launcher.image_of(JobSpec(kind="noop", workers=1)) == "localhost/coordinator/worker:1"

@@ -104,6 +104,13 @@ def serve(
     docker_artifacts: Annotated[
         str, typer.Option(help="volume (or absolute host path) at the members' /artifacts")
     ] = "etcd-coordinator-artifacts",
+    allowed_image: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="an image a `command` job may run in (docker launcher): a name, or a glob "
+            "such as trainer:* (repeatable) [only --docker-image]"
+        ),
+    ] = None,
     k8s_image: Annotated[
         str | None,
         typer.Option(help="worker image: enables the kubernetes launcher (an Indexed Job)"),
@@ -163,6 +170,18 @@ def serve(
             container_endpoints(etcd or "127.0.0.1:2379", docker_etcd)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-etcd") from None
+        from coordinator.service.images import ImagePolicy, check_reference
+
+        try:
+            check_reference(docker_image)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--docker-image") from None
+        try:
+            ImagePolicy.of(docker_image, allowed_image or ())
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--allowed-image") from None
+    elif allowed_image:
+        raise typer.BadParameter("needs --docker-image (the docker launcher)", "--allowed-image")
     if k8s_image:
         try:
             import kubernetes  # noqa: F401 (only checked for)
@@ -209,6 +228,7 @@ def serve(
         docker_memory=docker_memory,
         docker_pids_limit=docker_pids_limit,
         docker_artifacts=docker_artifacts,
+        allowed_images=tuple(allowed_image or ()),
         k8s_image=k8s_image,
         k8s_namespace=k8s_namespace,
         k8s_etcd=k8s_etcd,

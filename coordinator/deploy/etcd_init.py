@@ -1,4 +1,5 @@
-"""A deployment's etcd, made ready once: auth on, and one etcd user per agent.
+"""A deployment's etcd, made ready once: auth on, one etcd user per agent, and one per
+job run without the service (compose/ddp.yaml's members: `--job ID=PASSWORD_FILE`).
 
 compose's `etcd-init` container and Kubernetes' `coordinator-etcd-init` Job run it
 before the service and the agents start:
@@ -27,7 +28,7 @@ from pyetcd import etcdrpc
 from coordinator.etcd.client import Etcd, EtcdError
 from coordinator.etcd.names import check_name
 from coordinator.etcd.security import EtcdSecurity, SecurityError
-from coordinator.etcd.users import ROOT, enable_auth, provision_agent
+from coordinator.etcd.users import ROOT, enable_auth, provision_agent, provision_job
 
 #: A password shorter than this is no password a generator made.
 MIN_PASSWORD = 16
@@ -37,15 +38,15 @@ class InitError(ValueError):
     """A bad argument or file; the message names it."""
 
 
-def parse_agent(value: str) -> tuple[str, Path]:
-    """`ID=PASSWORD_FILE` as (agent id, path)."""
+def parse_agent(value: str, option: str = "--agent") -> tuple[str, Path]:
+    """`ID=PASSWORD_FILE` as (agent or job id, path)."""
     agent_id, sep, path = value.partition("=")
     if not sep or not path:
-        raise InitError(f"--agent {value!r}: expected ID=PASSWORD_FILE")
+        raise InitError(f"{option} {value!r}: expected ID=PASSWORD_FILE")
     try:
-        check_name("agent id", agent_id)
+        check_name("agent id" if option == "--agent" else "job id", agent_id)
     except ValueError as exc:
-        raise InitError(f"--agent {value!r}: {exc}") from None
+        raise InitError(f"{option} {value!r}: {exc}") from None
     return agent_id, Path(path)
 
 
@@ -67,10 +68,14 @@ def set_password(etcd: Etcd, user: str, password: str) -> None:
 
 
 def initialise(
-    connect: Callable[[], Etcd], root_password: str, agents: dict[str, str]
+    connect: Callable[[], Etcd],
+    root_password: str,
+    agents: dict[str, str],
+    jobs: dict[str, str] | None = None,
 ) -> list[str]:
-    """Auth on with `root_password`; each agent's user (`provision_agent`) with the
-    password given for it. Returns the agents' etcd user names.
+    """Auth on with `root_password`; each agent's user (`provision_agent`) and each job's
+    (`provision_job`: its own keys only) with the password given for it. Returns the
+    etcd user names made.
 
     The users are made through a second connection: one opened while auth was off holds
     no token, and etcd would take it for the user its client certificate names (with
@@ -83,6 +88,8 @@ def initialise(
             credentials = provision_agent(etcd, agent_id)  # its role, and a password of its own
             set_password(etcd, credentials.user, password)  # ... replaced by its file's
             made.append(credentials.user)
+        for job_id, password in (jobs or {}).items():
+            made.append(provision_job(etcd, job_id, password).user)
     return made
 
 
@@ -94,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--root-password-file", type=Path, required=True)
     parser.add_argument("--agent", action="append", default=[], help="ID=PASSWORD_FILE")
+    parser.add_argument("--job", action="append", default=[], help="JOB_ID=PASSWORD_FILE")
     parser.add_argument("--connect-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     try:
@@ -104,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         for value in args.agent:
             agent_id, path = parse_agent(value)
             agents[agent_id] = read_password(path, f"--agent {agent_id}")
+        jobs: dict[str, str] = {}
+        for value in args.job:
+            job_id, path = parse_agent(value, "--job")
+            jobs[job_id] = read_password(path, f"--job {job_id}")
         # TLS files (the CA) from COORDINATOR_ETCD_CA and the like; the user is root.
         tls = EtcdSecurity.from_env()
         security = EtcdSecurity(
@@ -126,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     try:
-        users = initialise(connect, root_password, agents)
+        users = initialise(connect, root_password, agents, jobs)
     except EtcdError as exc:
         print(f"etcd init: {exc}", file=sys.stderr)
         return 3
-    print(f"etcd init: auth on; agent users: {', '.join(users) or 'none'}")
+    print(f"etcd init: auth on; users: {', '.join(users) or 'none'}")
     return 0
 
 

@@ -21,6 +21,7 @@ from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV
 from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
+from coordinator.service.images import ImagePolicy
 from coordinator.service.model import JobSpec
 
 DATA_FIELDS = ("data", "eval_data")
@@ -66,15 +67,19 @@ class Roots:
         )
 
 
-#: The launchers that can run a `command` job's program (docker and kubernetes: not yet).
-COMMAND_LAUNCHERS = ("local", "agents")
-COMMAND_FIELDS = ("command", "env", "working_dir")
+#: The launchers that can run a `command` job's program (kubernetes: not yet).
+COMMAND_LAUNCHERS = ("local", "agents", "docker")
+#: Where a `command` job's members are containers: its folder is inside the image.
+CONTAINER_LAUNCHERS = ("docker",)
+COMMAND_FIELDS = ("command", "env", "working_dir", "image")
 
 
-def admit_command(spec: JobSpec, roots: Roots) -> JobSpec:
+def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None) -> JobSpec:
     """The spec with its working_dir made absolute under its root; Refused naming the field
     for a `command` job without a program, on a launcher that cannot run one, with a folder
-    outside the root, or another kind's spec that carries the command fields."""
+    outside the root, or another kind's spec that carries the command fields. On the
+    docker launcher (`images`: its policy) the folder is the container's, and the image
+    must be one the service allows."""
     if spec.kind != COMMAND:
         for name in COMMAND_FIELDS:
             if name in spec.model_fields_set and getattr(spec, name):
@@ -85,8 +90,12 @@ def admit_command(spec: JobSpec, roots: Roots) -> JobSpec:
     if spec.launcher not in COMMAND_LAUNCHERS:
         raise Refused(
             "launcher",
-            f"launcher {spec.launcher}: a {COMMAND} job runs on {' or '.join(COMMAND_LAUNCHERS)}",
+            f"launcher {spec.launcher}: a {COMMAND} job runs on {', '.join(COMMAND_LAUNCHERS)}",
         )
+    if spec.launcher in CONTAINER_LAUNCHERS:
+        return _admit_in_container(spec, images)
+    if spec.image is not None:
+        raise Refused("image", "image: only the docker launcher runs a job in an image")
     if spec.working_dir is None:
         return spec
     try:
@@ -96,6 +105,24 @@ def admit_command(spec: JobSpec, roots: Roots) -> JobSpec:
     if any(char in folder for char in _GLOB_CHARS):
         raise Refused("working_dir", f"working_dir: {spec.working_dir!r}: no globs in a folder")
     return spec.model_copy(update={"working_dir": folder})
+
+
+def _admit_in_container(spec: JobSpec, images: ImagePolicy | None) -> JobSpec:
+    """A container's `command` job: an allowed image; a folder that is absolute, without
+    `..` (it is the container's working directory, inside the image: nothing to look at
+    here)."""
+    if images is None:
+        raise Refused("launcher", f"launcher {spec.launcher}: not enabled here")
+    try:
+        images.check(spec.image)
+    except ValueError as exc:
+        raise Refused("image", f"image: {exc}") from None
+    folder = spec.working_dir
+    if folder is not None and (
+        not folder.startswith("/") or ".." in folder.split("/") or "\0" in folder
+    ):
+        raise Refused("working_dir", f"working_dir: {folder[:80]!r}: an absolute path without '..'")
+    return spec
 
 
 def admit_params(kind: str, params: dict[str, str], roots: Roots) -> dict[str, str]:

@@ -35,6 +35,7 @@ from coordinator.service.admission import (
 from coordinator.service.auth import Role, Tokens
 from coordinator.service.boundary import ROLE_KEY, Boundary, document_refusals
 from coordinator.service.dashboard import add_dashboard
+from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import OWN_SLOTS, WorkerLauncher
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.metrics import ServiceMetrics
@@ -61,6 +62,7 @@ class ApiContext:
     tokens: Tokens | None = None  # None: no auth (--insecure only)
     default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
     roots: Roots | None = None  # where submitted paths may point (None: from the environment)
+    images: ImagePolicy | None = None  # the docker launcher's images (None: not enabled)
     closers: list[Callable[[], None]] = field(default_factory=list)  # run when it stops
 
 
@@ -344,7 +346,7 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
         raise invalid(["workers"], why)
     assert context.roots is not None
     try:
-        spec = admit_command(spec, context.roots)
+        spec = admit_command(spec, context.roots, context.images)
     except Refused as exc:
         raise invalid(exc.field.split("."), str(exc)) from None
     try:

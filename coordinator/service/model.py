@@ -72,6 +72,15 @@ class JobSpec(BaseModel):
         str | None,
         Field(min_length=1, max_length=1024, description="command: the program's folder"),
     ] = None
+    image: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            max_length=255,
+            description="command, docker launcher: the image its members run in "
+            "[the service's --docker-image]; one the service allows",
+        ),
+    ] = None
 
     @field_validator("env")
     @classmethod
@@ -79,6 +88,13 @@ class JobSpec(BaseModel):
         from coordinator.jobs.environment import check_program_env
 
         return check_program_env(value)
+
+    @field_validator("image")
+    @classmethod
+    def _image_reference(cls, value: str | None) -> str | None:
+        from coordinator.service.images import check_reference
+
+        return value if value is None else check_reference(value)
 
     @field_validator("params", mode="before")
     @classmethod

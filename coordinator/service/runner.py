@@ -20,6 +20,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.service.api import ApiContext, create_app
 from coordinator.service.auth import Tokens
+from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.launchers.local import LocalLauncher
@@ -51,6 +52,8 @@ class ServiceOptions:
     docker_memory: str = "2g"
     docker_pids_limit: int = 1024
     docker_artifacts: str = "etcd-coordinator-artifacts"
+    # The images a `command` job may run in (patterns; empty: only docker_image).
+    allowed_images: tuple[str, ...] = ()
     # The kubernetes launcher, enabled by an image: its namespace (None: the pod's own,
     # else the kubeconfig's) and etcd as pods see it (None: --etcd).
     k8s_image: str | None = None
@@ -71,9 +74,11 @@ class Service:
             Launcher.LOCAL: LocalLauncher(options.data_dir / "logs"),
             Launcher.AGENTS: AgentsLauncher(self.etcd),
         }
+        images = None
         if options.docker_image:
             from coordinator.service.launchers.docker import DockerLauncher
 
+            images = ImagePolicy.of(options.docker_image, options.allowed_images)
             self.launchers[Launcher.DOCKER] = DockerLauncher(
                 options.docker_image,
                 options.docker_network,
@@ -83,6 +88,7 @@ class Service:
                 pids_limit=options.docker_pids_limit,
                 artifacts=options.docker_artifacts,
                 secrets_dir=options.data_dir / "docker-secrets",  # the members' passwords
+                images=images,
             )
         if options.k8s_image:
             from coordinator.service.launchers.kubernetes import (
@@ -122,6 +128,7 @@ class Service:
             metrics=metrics,
             tokens=options.tokens,
             default_launcher=options.default_launcher,
+            images=images,
         )
         self.app: FastAPI = create_app(context)
         self._stop = threading.Event()

@@ -31,6 +31,7 @@ PLAIN_COMPOSE_FILE = REPO / "compose" / "compose.plain.yaml"  # the same with a 
 CLIENT_CERTS_FILE = REPO / "compose" / "compose.client-certs.yaml"  # + client certificates
 INIT_SECRETS = REPO / "compose" / "init-secrets.sh"  # the one-time step before compose.yaml
 JOB_COMPOSE_FILE = REPO / "compose" / "job.yaml"  # one job: etcd and its workers
+DDP_COMPOSE_FILE = REPO / "compose" / "ddp.yaml"  # your own program: DDP, etcd with TLS, auth
 LABEL = "etcd-coordinator-test"
 IMAGE_PREFIX = "localhost/etcd-coordinator-test"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"

@@ -34,6 +34,7 @@ from tests.containers.harness import (
     CLIENT_CERTS_FILE,
     COMPOSE_FILE,
     COORDINATOR_USER,
+    DDP_COMPOSE_FILE,
     ETCD_USER,
     JOB_COMPOSE_FILE,
     LABEL,
@@ -56,7 +57,7 @@ def project(podman_service: PodmanService) -> Iterator[str]:
     """A compose project name of the test's own; everything in it is removed afterwards."""
     name = f"ectest{uuid.uuid4().hex[:8]}"
     yield name
-    for file in (COMPOSE_FILE, PLAIN_COMPOSE_FILE, JOB_COMPOSE_FILE):  # whichever was up
+    for file in (COMPOSE_FILE, PLAIN_COMPOSE_FILE, JOB_COMPOSE_FILE, DDP_COMPOSE_FILE):
         compose(name, "down", "-v", "--remove-orphans", "-t", "1", env={}, file=file)
     client = podman_service.client
     project_label = f"com.docker.compose.project={name}"
@@ -275,6 +276,52 @@ def _timestamp(text: str) -> float:
     assert match, f"unexpected time format {text!r}"
     zone = "+00:00" if match[3] == "Z" else match[3]
     return datetime.fromisoformat(match[1] + (match[2] or "")[:7] + zone).timestamp()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compose_runs_the_ddp_example_unchanged_on_three_containers_through_secure_etcd(
+    podman_service: PodmanService, images: Images, project: str, tmp_path: Path
+) -> None:
+    """compose/ddp.yaml: examples/ddp_mnist.py as each of 3 members' program
+    (`coordinator worker --kind command -- python3 ...`), rendezvous through etcd with
+    TLS and auth as the job's own user; every rank exits 0 and the all_reduce sums
+    1 + 2 + 3; the members run with least privilege and no secret in their config."""
+    secrets = init_secrets(tmp_path / "secrets", agents=1)
+    env = {
+        "ETCD_IMAGE": images.etcd,
+        "COORDINATOR_IMAGE": images.worker,  # built with EXTRAS=mnist: PyTorch
+        "SECRETS_DIR": str(secrets),
+        "COORDINATOR_JOB": "ddp-test",
+        "WORKERS": "3",
+        "STEPS": "3",
+    }
+    result = compose(project, "up", "-d", env=env, file=DDP_COMPOSE_FILE, timeout=600)
+    assert result.returncode == 0, result.stderr
+    workers = service_containers(podman_service, project, "worker")
+    assert len(workers) == 3
+    wait_until(lambda: exited(workers), 300, "the three DDP members to finish")
+
+    outcomes = {}
+    for worker in workers:
+        logs = worker.logs(stdout=True, stderr=True).decode(errors="replace")
+        assert worker.attrs["State"]["ExitCode"] == 0, logs[-3000:]
+        (line,) = [x for x in logs.splitlines() if x.startswith('{"rank": ')]
+        outcome = json.loads(line)
+        outcomes[outcome["rank"]] = outcome
+        assert f"rank {outcome['rank']} step 2 loss" in logs
+        variables = dict(e.split("=", 1) for e in worker.attrs["Config"]["Env"])
+        assert variables["COORDINATOR_ETCD_USER"] == "/coordinator/jobs/ddp-test"
+        password = (secrets / "job-password").read_text().strip()
+        assert password not in "\n".join([*variables.values(), *worker.attrs["Config"]["Cmd"]])
+        assert worker.attrs["HostConfig"]["ReadonlyRootfs"] is True
+        assert worker.attrs["Config"]["User"] == COORDINATOR_USER
+    assert sorted(outcomes) == [0, 1, 2]
+    for outcome in outcomes.values():
+        assert outcome["ok"] is True and outcome["all_reduce"] == 6.0  # 1 + 2 + 3
+        assert len(outcome["losses"]) == 3
+    # The same seed, other shards: the ranks' losses differ, DDP keeps the weights equal.
+    assert len({tuple(o["losses"]) for o in outcomes.values()}) == 3
 
 
 # -- least privilege ------------------------------------------------------------------

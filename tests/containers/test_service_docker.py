@@ -377,3 +377,72 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
     launcher.terminate(member)
     launcher.kill(member)
     assert launcher.output(member, 0) == b""
+
+
+@pytest.mark.timeout(600)
+def test_a_command_job_runs_in_containers_of_an_allowed_image_and_others_are_refused(
+    podman_service: PodmanService, images: Images, cluster: Cluster, tmp_path: Path
+) -> None:
+    """A `command` job on the docker launcher: each member is a container of the job's
+    image (here the service's own, allowed by --allowed-image's glob), running
+    `coordinator worker --kind command -- PROGRAM`, with the job's env in the container's
+    environment and its working_dir as the container's; the program sees the contract's
+    variables. An image outside the allowlist is a 422 naming `image`."""
+    image = images.worker
+    repository = image.rpartition(":")[0]
+    started = time.monotonic()
+    service = ServiceProc(
+        tmp_path / "data",
+        [
+            "--etcd", cluster.host_endpoint, "--namespace", f"/{cluster.prefix}",
+            "--max-workers", "4", "--grace", "3", "--member-ttl", "5",
+            "--docker-image", image, "--docker-host", podman_service.url,
+            "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+            "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
+            "--allowed-image", f"{repository}:*",
+        ],
+    )  # fmt: skip
+    try:
+        refused = service.http.post(
+            "/v1/jobs",
+            json={"kind": "command", "workers": 1, "launcher": "docker",
+                  "command": ["true"], "image": "localhost/someone-else/tools:1"},
+        )  # fmt: skip
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["detail"][0]["loc"][-1] == "image"
+
+        job = cluster.job_id("prog")
+        show = (
+            "import os; print('ran', os.environ['RANK'], os.environ['WORLD_SIZE'], "
+            "os.environ['GREETING'], os.getcwd(), os.environ['MASTER_ADDR'] != '127.0.0.1')"
+        )
+        spec = {
+            "id": job, "kind": "command", "workers": 2, "launcher": "docker",
+            "command": ["python3", "-c", show], "env": {"GREETING": "hello-there"},
+            "working_dir": "/opt/coordinator", "image": image,
+        }  # fmt: skip
+        response = service.http.post("/v1/jobs", json=spec)
+        assert response.status_code == 201, response.text
+        record = wait_until(
+            lambda: (r := service.job(job))["state"] in TERMINAL and r, 300, "the job to end"
+        )
+        assert record["state"] == "SUCCEEDED", (record, service.output())
+        run_id = f"{job}-{record['uid'][:8]}"
+        containers = cluster.members(run_id)
+        assert len(containers) == 2
+        for container in containers:
+            config = container.attrs["Config"]
+            assert config["Image"] == image or container.image.tags == [image]
+            assert config["Entrypoint"] == ["coordinator"]
+            assert config["WorkingDir"] == "/opt/coordinator"
+            assert "GREETING=hello-there" in config["Env"]
+            assert config["Cmd"][:1] == ["worker"] and "--kind" in config["Cmd"]
+            assert config["Cmd"][config["Cmd"].index("--") + 1 :] == ["python3", "-c", show]
+            assert_hardened(container, memory=2 * 2**30, pids=1024)
+        logs = service.http.get(f"/v1/jobs/{job}/logs").text
+        for rank in (0, 1):
+            # Its own address on the network as MASTER_ADDR, not a loopback one.
+            assert f"[rank {rank}] ran {rank} 2 hello-there /opt/coordinator True" in logs, logs
+        print(f"docker command job: {time.monotonic() - started:.1f}s")
+    finally:
+        service.stop()

@@ -10,6 +10,12 @@ again. On that network every container has an address of its own; the worker
 advertises the address of the interface that routes to etcd (the default), which
 is its address on that network, so members reach each other without port mappings.
 
+A `command` job's members run in the job's `image` (default: the worker image), which
+must be one the service allows (`serve --allowed-image`, see coordinator/service/images.py)
+and must contain `coordinator` (build it FROM the worker image): `coordinator worker
+--kind command ... -- PROGRAM` is the container's process, the job's `env` is in the
+container's environment and its `working_dir` is the container's (inside the image).
+
 etcd as containers see it: the service gives members its own endpoints
 (`--etcd HOST:PORT`), but a container's 127.0.0.1 is not the host's. The launcher
 replaces the value of `--etcd` in the worker arguments by `container_etcd`
@@ -55,7 +61,9 @@ from docker.errors import APIError, DockerException, NotFound
 from docker.models.containers import Container
 
 from coordinator.etcd.security import ENV, EtcdSecurity
+from coordinator.jobs import COMMAND
 from coordinator.rendezvous.address import endpoint_host, is_loopback
+from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
@@ -64,7 +72,7 @@ from coordinator.service.launchers import (
     member_environment,
     with_etcd,
 )
-from coordinator.service.model import Member
+from coordinator.service.model import JobSpec, Member
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +148,7 @@ class DockerLauncher:
         pids_limit: int = DEFAULT_PIDS_LIMIT,
         artifacts: str = DEFAULT_ARTIFACTS,
         secrets_dir: Path | None = None,
+        images: ImagePolicy | None = None,
     ) -> None:
         """`base_url` None: the engine from the environment (DOCKER_HOST, else the default
         socket). Nothing connects here: the service starts (and runs its local jobs) while
@@ -147,9 +156,11 @@ class DockerLauncher:
 
         `memory` and `pids_limit` bound each member container; `artifacts` is the volume
         (or absolute host path) at its /artifacts; `secrets_dir` holds the members'
-        password files (a private temporary folder when None)."""
+        password files (a private temporary folder when None); `images`: those a
+        `command` job may run in (None: only `image`)."""
         check_limits(memory, pids_limit)
         self.image, self.network_name, self.base_url = image, network, base_url
+        self.images = images or ImagePolicy(image)
         self.container_etcd = container_endpoints(container_etcd, None)
         self.api_timeout = api_timeout  # seconds, per request to the engine
         self.hardening = member_hardening(memory, pids_limit, artifacts)
@@ -195,12 +206,13 @@ class DockerLauncher:
 
     def start(self, launch: Launch, index: int) -> Member:
         name = self.name(launch.run_id, launch.attempt, index)
+        image = self.image_of(launch.spec)  # before the engine: a refused image starts nothing
         client = self.client()
         container = self._find(client, name)
         if container is None:
             self.ensure_network()
             try:
-                container = self._run(client, name, launch, index)
+                container = self._run(client, name, launch, index, image)
             except APIError as exc:
                 if exc.status_code != 409:  # 409: another replica's, just created
                     self._network_ready = False  # removed meanwhile? looked at again
@@ -219,6 +231,7 @@ class DockerLauncher:
         name: str,
         launch: Launch,
         index: int,
+        image: str,
     ) -> Container:
         """Create and start the member (the image's entrypoint is `coordinator`)."""
         run_id, attempt = launch.run_id, launch.attempt
@@ -226,17 +239,32 @@ class DockerLauncher:
         environment, files = _etcd_settings(own_user=launch.credentials is None)
         environment.update(self._credentials(launch, files))
         settings["volumes"] = {**settings["volumes"], **files}
+        program = _program_settings(launch.spec)
         return client.containers.run(
-            self.image,
+            image,
             ["worker", *with_etcd(launch.worker_args, self.container_etcd)],
             name=name,
             detach=True,
             network=self.network_name,
             labels={RUN_LABEL: run_id, ATTEMPT_LABEL: str(attempt), INDEX_LABEL: str(index)},
             # The root filesystem is read-only: no bytecode next to the packages.
-            environment={"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", **environment},
+            environment={
+                **program.pop("environment", {}),
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONDONTWRITEBYTECODE": "1",
+                **environment,
+            },
+            **program,
             **settings,
         )
+
+    def image_of(self, spec: JobSpec) -> str:
+        """The image of the job's members: a `command` job's own (or the default), if
+        allowed (checked at submit; again here, as the record came from etcd: ValueError
+        naming the image otherwise); the worker image for the other kinds."""
+        if spec.kind == COMMAND:
+            return self.images.check(spec.image)
+        return self.image
 
     def _credentials(self, launch: Launch, files: dict[str, dict[str, str]]) -> dict[str, str]:
         """The member's per-job etcd user: its password written to a file of the
@@ -328,6 +356,18 @@ class DockerLauncher:
             return client.containers.get(name)
         except NotFound:
             return None
+
+
+def _program_settings(spec: JobSpec) -> dict[str, Any]:
+    """A `command` member's container settings: the image's `coordinator` as its process
+    (whatever the image's own entrypoint), the job's `env` in its environment, its
+    `working_dir` as the container's (a folder inside the image). Nothing for other kinds."""
+    if spec.kind != COMMAND:
+        return {}
+    settings: dict[str, Any] = {"entrypoint": ["coordinator"], "environment": dict(spec.env)}
+    if spec.working_dir:
+        settings["working_dir"] = spec.working_dir
+    return settings
 
 
 def _etcd_settings(own_user: bool) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
