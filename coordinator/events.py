@@ -63,7 +63,8 @@ class _Event(BaseModel):
     def wire(self) -> dict[str, Any]:
         """The event as its JSON object: `event`, `t` and the fields the emitter gave (or
         the line held); an optional field left out stays out, as on the wire before."""
-        fields = self.model_dump(exclude_unset=True)
+        given = self.model_fields_set
+        fields = {k: v for k, v in self.model_dump().items() if k in given}  # nested: whole
         return {"event": getattr(self, "event"), "t": self.t, **fields}  # noqa: B009
 
     def to_line(self) -> str:
@@ -222,7 +223,18 @@ def emit(event: _Event) -> None:
 
 def write_line(line: str, stream: Any = None) -> None:
     """Write one line to `stream` (stdout) in one go, never interleaved with another."""
+    write_raw((line + "\n").encode(), stream)
+
+
+def write_raw(data: bytes, stream: Any = None) -> None:
+    """Write whole lines (`data` ends with a newline) to `stream` (stdout) in one go."""
     out = stream if stream is not None else sys.stdout
     with _WRITE:
-        out.write(line + "\n")
-        out.flush()
+        out.flush()  # what was printed before, first
+        binary = getattr(out, "buffer", None)
+        if binary is not None:
+            binary.write(data)
+            binary.flush()
+        else:
+            out.write(data.decode(errors="replace"))
+            out.flush()
