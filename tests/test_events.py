@@ -102,7 +102,7 @@ def test_the_wire_keeps_the_keys_readers_and_the_dashboard_know() -> None:
         + ", ".join(f'"m{i}": 1.0' for i in range(101))
         + "}}",  # too many metrics
         '{"event": "phase", "t": 1, "phase": "x"' + " " * MAX_LINE_BYTES + "}",  # oversized
-        "{\"a\": " * 100_000,  # deep nesting
+        '{"a": ' * 100_000,  # deep nesting
         '{"event": "report", "t": 1, "metrics": {"a": {"b": 1}}}',
     ],
 )

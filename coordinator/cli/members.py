@@ -54,7 +54,7 @@ from coordinator.etcd.users import (
     revoke_job,
     write_password_file,
 )
-from coordinator.events import Metrics, Output, Phase, Round, Step
+from coordinator.events import Metrics, Output, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
@@ -327,16 +327,17 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
 
 
 def _echo(launcher: LocalLauncher) -> None:
-    """Show the programs' output lines, each prefixed with its rank, as they come."""
+    """Show the programs' output lines and reports, each prefixed with its rank, as they come."""
     while launcher.running() or not launcher.events.empty():
         try:
             index, event = launcher.events.get(timeout=0.5)
         except queue.Empty:
             continue
-        if isinstance(event, Output):
+        if isinstance(event, Output | Report):
             rank = launcher.workers[index].rank
-            stream = sys.stderr if event.stream == "stderr" else sys.stdout
-            print(f"[rank {'?' if rank is None else rank}] {event.line}", file=stream, flush=True)
+            stream = sys.stderr if getattr(event, "stream", "") == "stderr" else sys.stdout
+            line = event.line if isinstance(event, Output) else event.to_line()
+            print(f"[rank {'?' if rank is None else rank}] {line}", file=stream, flush=True)
 
 
 def _follow_steps(
