@@ -1,11 +1,240 @@
-"""A worker's progress as JSON lines on stdout: what launchers and humans follow."""
+"""A worker's progress as JSON lines on stdout: what launchers and humans follow.
+
+One typed model per event, told apart by the `event` key; `emit` writes one as a
+line, `parse_event` reads one back. Lines come from member processes (and,
+through the member, from a `command` job's program), so reading trusts nothing:
+a line that is too long, not JSON, of an unknown event or with a field of the
+wrong type or size is no event (`None`), as is plain program output.
+
+| event     | who prints it                 | fields (besides `event`, `t`)                   |
+|-----------|-------------------------------|-------------------------------------------------|
+| `phase`   | every member, per phase       | phase, rank, cleaned_up (`cleaner` only)        |
+| `step`    | steps / mnist trainers        | rank, clock, target, loss (mnist)               |
+| `round`   | xgboost members               | rank, round, rounds, metrics                    |
+| `metrics` | the mnist job's first server  | rank, n, version, samples, accuracy, loss       |
+| `done`    | every member, at the end      | rank, roster, result, timeline                  |
+| `failed`  | a member that fails           | phase, rank, error, message, exit_code          |
+| `report`  | a `command` job's program     | rank (the member's), step, metrics, message     |
+| `output`  | a program line that looked    | stream, line                                    |
+|           | like an event (the member     |                                                 |
+|           | wraps it); `coordinator run`  |                                                 |
+|           | also makes these of plain     |                                                 |
+|           | output                        |                                                 |
+| `exit`    | `coordinator run`'s launcher  | exit_code                                       |
+
+A program may report `report` events only (`PROGRAM_EVENTS`): its member relays
+each line of the program's output (`coordinator.jobs.relay`), re-emitting a valid
+report under the member's own rank and wrapping any other line that claims to be
+an event as `output`, so a program cannot forge its member's phase or outcome.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+import threading
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from coordinator.rendezvous.roster import MemberAddress
+
+#: The longest line read as an event (a `done` line carries the member's result).
+MAX_LINE_BYTES = 4 * 1024 * 1024
+#: The most entries a `report`'s or `round`'s metrics may hold.
+MAX_METRICS = 100
+
+Name = Annotated[str, Field(max_length=100)]
+Text = Annotated[str, Field(max_length=4000)]
+Rank = Annotated[int, Field(ge=0, le=1_000_000)]
+Count = Annotated[int, Field(ge=0)]
+MetricMap = Annotated[dict[Name, float], Field(max_length=MAX_METRICS)]
 
 
-def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+class _Event(BaseModel):
+    """What every event has: its kind and when (Unix time; `metrics`: seconds since
+    training began)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    t: float = Field(default_factory=time.time)
+
+    def wire(self) -> dict[str, Any]:
+        """The event as its JSON object: `event`, `t` and the fields the emitter gave (or
+        the line held); an optional field left out stays out, as on the wire before."""
+        given = self.model_fields_set
+        fields = {k: v for k, v in self.model_dump().items() if k in given}  # nested: whole
+        return {"event": getattr(self, "event"), "t": self.t, **fields}  # noqa: B009
+
+    def to_line(self) -> str:
+        """The event as one JSON line."""
+        return json.dumps(self.wire())
+
+
+class Phase(_Event):
+    event: Literal["phase"] = "phase"
+    phase: Name
+    rank: Rank | None = None
+    cleaned_up: bool | None = None  # `cleaner`: whether this member deleted the job's keys
+
+
+class Step(_Event):
+    event: Literal["step"] = "step"
+    rank: Rank
+    clock: Count
+    target: Count
+    loss: float | None = None
+
+
+class Round(_Event):
+    event: Literal["round"] = "round"
+    rank: Rank
+    round: Count
+    rounds: Count
+    metrics: MetricMap = Field(default_factory=dict)
+
+
+class Metrics(_Event):
+    event: Literal["metrics"] = "metrics"
+    rank: Rank = 0
+    n: Count = 0
+    version: Count | None = None
+    samples: Count | None = None
+    accuracy: float | None = None
+    loss: float | None = None
+
+
+class TimelineEntry(BaseModel):
+    """When a member entered a phase's wait and when it passed (wall clock)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    phase: Name
+    arrived: float
+    passed: float
+
+
+class RosterView(BaseModel):
+    """The roster as events carry it: never the round's secret."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    job_id: Name
+    round: int
+    world_size: Annotated[int, Field(ge=1)]
+    members: Annotated[list[MemberAddress], Field(max_length=100_000)]
+
+
+class Done(_Event):
+    event: Literal["done"] = "done"
+    rank: Rank
+    roster: RosterView
+    result: dict[Name, Any] = Field(default_factory=dict)  # the job's own; bounded by the line
+    timeline: Annotated[list[TimelineEntry], Field(max_length=1000)] = Field(default_factory=list)
+
+    @property
+    def address(self) -> str | None:
+        """This member's own `host:port` from the roster, if it names this rank."""
+        for entry in self.roster.members:
+            if entry.rank == self.rank:
+                return f"{entry.host}:{entry.port}"
+        return None
+
+
+class Failed(_Event):
+    event: Literal["failed"] = "failed"
+    phase: Name
+    rank: Rank | None = None
+    error: Name
+    message: Text
+    exit_code: Annotated[int, Field(ge=-255, le=255)]
+
+
+class Report(_Event):
+    """What a `command` job's program reports of itself (issue 19's in-job API)."""
+
+    event: Literal["report"] = "report"
+    rank: Rank | None = None  # set by the member that relays it, never by the program
+    step: Count | None = None
+    total: Count | None = None
+    metrics: MetricMap = Field(default_factory=dict)
+    message: Text | None = None
+
+
+class Output(_Event):
+    """A line of a program's output, as a line: shown, never acted on."""
+
+    event: Literal["output"] = "output"
+    stream: Literal["stdout", "stderr"] = "stdout"
+    line: Annotated[str, Field(max_length=MAX_LINE_BYTES)]
+
+
+class Exit(_Event):
+    """A member process ended (`coordinator run`'s launcher says so; members never do)."""
+
+    event: Literal["exit"] = "exit"
+    exit_code: int | None
+
+
+MemberEvent = Annotated[
+    Phase | Step | Round | Metrics | Done | Failed | Report | Output | Exit,
+    Field(discriminator="event"),
+]
+#: The events a `command` job's program may print of itself (see the module docstring).
+PROGRAM_EVENTS = frozenset({"report"})
+#: The events that only a launcher makes: a member's line claiming one is not read.
+LAUNCHER_EVENTS = frozenset({"exit"})
+
+_ADAPTER: TypeAdapter[MemberEvent] = TypeAdapter(MemberEvent)
+_WRITE = threading.Lock()  # whole lines: the member's events and its program's relayed lines
+
+
+def parse_event(line: str | bytes) -> MemberEvent | None:
+    """The event a line holds, or None: plain output, or a line that is too long, not a
+    JSON object, of an unknown or launcher-only event, or with a bad field."""
+    if len(line) > MAX_LINE_BYTES:
+        return None
+    text = line.strip()
+    if not text.startswith(b"{" if isinstance(text, bytes) else "{"):
+        return None
+    try:
+        event = _ADAPTER.validate_json(text)
+    except (ValidationError, ValueError, RecursionError):
+        return None
+    return None if event.event in LAUNCHER_EVENTS else event
+
+
+def parse_events(output: bytes) -> list[MemberEvent]:
+    """The events in a member's output (whole lines; anything else is skipped)."""
+    return [e for line in output.splitlines() if (e := parse_event(line)) is not None]
+
+
+def claims_event(line: str) -> bool:
+    """Whether a line might be read as an event by some reader (a JSON object naming an
+    `event`): what a member must not pass on from its program as it is."""
+    return line.lstrip().startswith("{") and '"event"' in line
+
+
+def emit(event: _Event) -> None:
+    """Print `event` as one whole line on stdout, at once."""
+    write_line(event.to_line())
+
+
+def write_line(line: str, stream: Any = None) -> None:
+    """Write one line to `stream` (stdout) in one go, never interleaved with another."""
+    write_raw((line + "\n").encode(), stream)
+
+
+def write_raw(data: bytes, stream: Any = None) -> None:
+    """Write whole lines (`data` ends with a newline) to `stream` (stdout) in one go."""
+    out = stream if stream is not None else sys.stdout
+    with _WRITE:
+        out.flush()  # what was printed before, first
+        binary = getattr(out, "buffer", None)
+        if binary is not None:
+            binary.write(data)
+            binary.flush()
+        else:
+            out.write(data.decode(errors="replace"))
+            out.flush()

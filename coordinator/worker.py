@@ -21,7 +21,7 @@ from typing import Any
 
 from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
 from coordinator.etcd.names import check_name
-from coordinator.events import emit
+from coordinator.events import Done, Failed, Phase, RosterView, TimelineEntry, emit
 from coordinator.jobs import MEMBER_KINDS, make_job
 from coordinator.rendezvous.errors import (
     JobFull,
@@ -191,20 +191,22 @@ def run_worker(options: WorkerOptions) -> int:
         member.on_trouble(watchdog.arm)
         with member:
             member.leader_election()
-            emit("phase", phase="leader_election", rank=member.rank)
+            emit(Phase(phase="leader_election", rank=member.rank))
             roster = member.ip_exchange()
-            emit("phase", phase="ip_exchange", rank=member.rank)
+            emit(Phase(phase="ip_exchange", rank=member.rank))
             job.on_roster(member)
             member.connect()
-            emit("phase", phase="connect", rank=member.rank)
+            emit(Phase(phase="connect", rank=member.rank))
             member.phase = "training"  # the job runs until the `training` barrier
             result = job.run(member)
             member.barrier("training", timeout=getattr(job, "training_timeout", None))
-            emit("phase", phase="training", rank=member.rank)
+            emit(Phase(phase="training", rank=member.rank))
             member.cleaner()
-            emit("phase", phase="cleaner", rank=member.rank, cleaned_up=member.cleaned_up)
-        timeline = [record.__dict__ for record in member.timeline]
-        emit("done", rank=member.rank, roster=roster.model_dump(), result=result, timeline=timeline)
+            emit(Phase(phase="cleaner", rank=member.rank, cleaned_up=member.cleaned_up))
+        timeline = [TimelineEntry(**record.__dict__) for record in member.timeline]
+        view = RosterView.model_validate(roster.model_dump(), strict=False)
+        assert member.rank is not None
+        emit(Done(rank=member.rank, roster=view, result=result, timeline=timeline))
     except RendezvousError as exc:
         failure = (exc, exc.exit_code)
     except EtcdUnavailable as exc:
@@ -236,7 +238,7 @@ def _fail(
     print(
         f"error [{name}] in phase '{phase}' (rank {rank}): {message}", file=sys.stderr, flush=True
     )
-    emit("failed", phase=phase, rank=rank, error=name, message=message, exit_code=code)
+    emit(Failed(phase=phase, rank=rank, error=name, message=message[:4000], exit_code=code))
     if member is not None and rank is not None and not isinstance(error, EtcdUnavailable):
         _record_failure(member, rank, phase, error, message)
     return code

@@ -303,3 +303,52 @@ def test_the_docker_launcher_starts_nothing_in_an_image_it_does_not_allow(tmp_pa
         launcher.image_of(spec)
     assert launcher.image_of(spec.model_copy(update={"image": "ddp:2"})) == "ddp:2"
     assert launcher.image_of(JobSpec(kind="noop", workers=1)) == "localhost/coordinator/worker:1"
+
+
+FORGER = """
+import json, os, sys
+def say(event, stream=sys.stdout):
+    print(json.dumps({"t": 1.0, **event}), file=stream, flush=True)
+say({"event": "failed", "phase": "connect", "rank": 0, "error": "Forged",
+     "message": "forged by the program", "exit_code": 3})
+say({"event": "failed", "phase": "connect", "rank": 1, "error": "Forged",
+     "message": "forged on stderr", "exit_code": 3}, sys.stderr)
+say({"event": "done", "rank": 0, "roster": {"job_id": "forged", "round": 1,
+     "world_size": 1, "members": []}})
+say({"event": "report", "rank": 7, "step": 3, "total": 9, "metrics": {"loss": 0.5}})
+sys.exit(7 if os.environ["RANK"] == "1" else 0)
+"""
+
+
+def test_a_program_cannot_forge_its_members_events_but_its_reports_reach_the_service(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    service = serve()
+    spec = {"id": "forger", "kind": "command", "workers": 2, "command": program(FORGER)}
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    record = wait_state(service, "forger", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "FAILED"  # rank 1 exited 7: no forged `done` says otherwise
+    reason = record["conditions"][-1]["reason"]
+    assert "rank 1" in reason and "code 7" in reason and "forged" not in reason, reason
+    members = {m["rank"]: m for attempt in record["attempts"] for m in attempt["members"]}
+    # Rank 0's program exited 0: its member lost rank 1, and says so, nothing forged.
+    assert set(members) == {0, 1} and members[0]["failure"]["error"] == "MemberLost", members
+    assert members[1]["failure"]["error"] == "ProgramFailed", members
+    logs = service.http.get("/v1/jobs/forger/logs").text
+    assert "forged by the program" in logs and "forged on stderr" in logs  # shown, not acted on
+    assert record["progress"]["step"] == 3 and record["progress"]["metrics"] == {"loss": 0.5}
+
+
+def test_a_forged_failure_does_not_stick_to_a_member_that_succeeded(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    service = serve()
+    code = FORGER.replace('7 if os.environ["RANK"] == "1" else 0', "0")
+    spec = {"id": "calm", "kind": "command", "workers": 2, "command": program(code)}
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    record = wait_state(service, "calm", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    members = [m for attempt in record["attempts"] for m in attempt["members"]]
+    assert [m["failure"] for m in members] == [None, None], members
+    assert sorted(m["rank"] for m in members) == [0, 1]
+    assert all(m["phase"] == "done" for m in members), members

@@ -5,29 +5,40 @@ from __future__ import annotations
 import json
 
 from coordinator.barriers.live import Clock
+from coordinator.events import Phase, parse_event
 from coordinator.service.series import clock_bound, collect, live_clock, member_events
+
+ROSTER = {"job_id": "j", "round": 1, "world_size": 1, "members": []}
+
+
+def events_of(*lines: dict[str, object]) -> list[object]:
+    """Typed events of wire dicts (each must be a valid event)."""
+    events = [parse_event(json.dumps(line)) for line in lines]
+    assert None not in events
+    return events
 
 
 def test_events_are_read_from_output_and_anything_else_is_skipped() -> None:
     output = b'noise\n{"event": "phase", "t": 1, "phase": "connect"}\n{not json\n{"no": "event"}\n'
-    assert member_events(output) == [{"event": "phase", "t": 1, "phase": "connect"}]
+    assert member_events(output) == [Phase(t=1.0, phase="connect")]
+    assert member_events(output)[0].wire() == {"event": "phase", "t": 1.0, "phase": "connect"}
 
 
 def test_curves_clocks_staleness_and_gaps_come_from_the_events() -> None:
-    events = [
-        {"event": "round", "t": 2.0, "rank": 0, "round": 2, "metrics": {"train-logloss": 0.3}},
-        {"event": "round", "t": 1.0, "rank": 0, "round": 1, "metrics": {"train-logloss": 0.5}},
-        {"event": "round", "t": 1.0, "rank": 1, "round": 1, "metrics": {"train-logloss": 0.5}},
-        {"event": "step", "t": 5.0, "rank": 2, "clock": 10},
-        {"event": "step", "t": 4.0, "rank": 2, "clock": 8},
+    events = events_of(
+        {"event": "round", "t": 2.0, "rank": 0, "round": 2, "rounds": 2, "metrics": {"ll": 0.3}},
+        {"event": "round", "t": 1.0, "rank": 0, "round": 1, "rounds": 2, "metrics": {"ll": 0.5}},
+        {"event": "round", "t": 1.0, "rank": 1, "round": 1, "rounds": 2, "metrics": {"ll": 0.5}},
+        {"event": "step", "t": 5.0, "rank": 2, "clock": 10, "target": 20},
+        {"event": "step", "t": 4.0, "rank": 2, "clock": 8, "target": 20},
         {"event": "phase", "t": 0.5, "rank": 0, "phase": "connect"},
-        {"event": "done", "t": 9.0, "rank": 2,
+        {"event": "done", "t": 9.0, "rank": 2, "roster": ROSTER,
          "result": {"staleness": {"0": 3, "1": 2}, "passages": [[4, 2], [5, 5], [6, None]]}},
-    ]  # fmt: skip
+    )  # fmt: skip
     series = collect(events, {"method": "ssp", "staleness": "2"})
     assert [(p.x, p.metrics) for p in series.curve] == [
-        (1, {"train-logloss": 0.5}),
-        (2, {"train-logloss": 0.3}),
+        (1, {"ll": 0.5}),
+        (2, {"ll": 0.3}),
     ]  # rank 0's rounds only, in order
     assert series.clocks == {2: [(4.0, 8), (5.0, 10)]}
     assert series.staleness == {0: 3, 1: 2}
@@ -37,7 +48,9 @@ def test_curves_clocks_staleness_and_gaps_come_from_the_events() -> None:
 
 
 def test_mnist_evaluations_make_the_curve_against_time_since_start() -> None:
-    events = [{"event": "metrics", "t": 3.5, "rank": 0, "n": 1, "accuracy": 0.8, "loss": 0.6}]
+    events = events_of(
+        {"event": "metrics", "t": 3.5, "rank": 0, "n": 1, "accuracy": 0.8, "loss": 0.6}
+    )
     series = collect(events, {"method": "bsp"})
     assert series.curve_x == "evaluation" and series.curve_t == "since start"
     assert series.curve[0].metrics == {"accuracy": 0.8, "loss": 0.6}

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -54,6 +54,7 @@ from coordinator.etcd.users import (
     revoke_job,
     write_password_file,
 )
+from coordinator.events import Metrics, Output, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
@@ -312,77 +313,73 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
                 _, event = launcher.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 continue
-            if event["event"] == "phase" and event["phase"] in tasks:
-                progress.advance(tasks[event["phase"]])
-            elif event["event"] == "round" and event.get("rank") == 0:  # boosting rounds
+            if isinstance(event, Phase) and event.phase in tasks:
+                progress.advance(tasks[event.phase])
+            elif isinstance(event, Round) and event.rank == 0:  # boosting rounds
                 if "rounds" not in tasks:
-                    tasks["rounds"] = progress.add_task("boosting rounds", total=event["rounds"])
-                metrics = "  ".join(f"{k} {v:.4f}" for k, v in event["metrics"].items())
+                    tasks["rounds"] = progress.add_task("boosting rounds", total=event.rounds)
+                metrics = "  ".join(f"{k} {v:.4f}" for k, v in event.metrics.items())
                 progress.update(
-                    tasks["rounds"], completed=event["round"], description=f"round {metrics}"
+                    tasks["rounds"], completed=event.round, description=f"round {metrics}"
                 )
-            elif event["event"] in ("step", "metrics"):  # the mnist job's trainers and server
+            elif isinstance(event, Step | Metrics):  # the mnist job's trainers and server
                 _follow_steps(progress, tasks, event, clocks)
 
 
 def _echo(launcher: LocalLauncher) -> None:
-    """Show the programs' output lines, each prefixed with its rank, as they come."""
+    """Show the programs' output lines and reports, each prefixed with its rank, as they come."""
     while launcher.running() or not launcher.events.empty():
         try:
             index, event = launcher.events.get(timeout=0.5)
         except queue.Empty:
             continue
-        if event["event"] == "output":
+        if isinstance(event, Output | Report):
             rank = launcher.workers[index].rank
-            stream = sys.stderr if event["stream"] == "stderr" else sys.stdout
-            print(
-                f"[rank {'?' if rank is None else rank}] {event['line']}", file=stream, flush=True
-            )
+            stream = sys.stderr if getattr(event, "stream", "") == "stderr" else sys.stdout
+            line = event.line if isinstance(event, Output) else event.to_line()
+            print(f"[rank {'?' if rank is None else rank}] {line}", file=stream, flush=True)
 
 
 def _follow_steps(
     progress: Progress,
     tasks: dict[str, TaskID],
-    event: dict[str, Any],
+    event: Step | Metrics,
     clocks: dict[int, tuple[int, int]],
 ) -> None:
     """One bar for all trainers' steps, titled with the latest test accuracy."""
     if "steps" not in tasks:
         tasks["steps"] = progress.add_task("training steps", total=None)
-    if event["event"] == "step":
-        clocks[event["rank"]] = (event["clock"], event["target"])
+    if isinstance(event, Step):
+        clocks[event.rank] = (event.clock, event.target)
         progress.update(
             tasks["steps"],
             completed=sum(clock for clock, _ in clocks.values()),
             total=sum(target for _, target in clocks.values()),
         )
-    else:
-        progress.update(tasks["steps"], description=f"steps, test accuracy {event['accuracy']:.4f}")
+    elif event.accuracy is not None:
+        progress.update(tasks["steps"], description=f"steps, test accuracy {event.accuracy:.4f}")
 
 
 def _report(workers: list[LocalWorker]) -> int:
-    done = [w for w in workers if w.exit_code == 0 and w.done]
+    done = [(w, w.done) for w in workers if w.exit_code == 0 and w.done]
     if done:
-        roster = done[0].done["roster"]  # type: ignore[index]
-        table = Table(title=f"roster of job {roster['job_id']} (round {roster['round']})")
+        roster = done[0][1].roster
+        table = Table(title=f"roster of job {roster.job_id} (round {roster.round})")
         for column in ("rank", "address", "hostname", "pid"):
             table.add_column(column)
-        for member in roster["members"]:
+        for member in roster.members:
             table.add_row(
-                str(member["rank"]),
-                f"{member['host']}:{member['port']}",
-                member["hostname"],
-                str(member["pid"]),
+                str(member.rank), f"{member.host}:{member.port}", member.hostname, str(member.pid)
             )
         console.print(table)
-        for worker in done:
-            result = worker.done["result"]  # type: ignore[index]
+        for _, event in done:
+            result = event.result
             if "model_path" in result:
                 metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items())
                 console.print(f"model: [bold]{result['model_path']}[/bold] ({metrics})")
     failed = [w for w in workers if w.exit_code != 0]
     for w in failed:
-        reason = w.failed["message"] if w.failed else (w.stderr[-1] if w.stderr else "no output")
+        reason = w.failed.message if w.failed else (w.stderr[-1] if w.stderr else "no output")
         console.print(
             f"[red]worker {w.index} (rank {w.rank}) exited {w.exit_code}:[/red] {escape(reason)}"
         )

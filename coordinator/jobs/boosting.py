@@ -36,7 +36,7 @@ from xgboost.callback import TrainingCallback
 from xgboost.tracker import RabitTracker
 
 from coordinator.datasets import DataSource, Layout, Shard, check_shards, load_shard, parse_source
-from coordinator.events import emit
+from coordinator.events import Round, emit
 from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.rendezvous.errors import MemberLost
@@ -299,7 +299,7 @@ class _RoundReport(TrainingCallback):
         for name, value in latest.items():
             self.history.setdefault(name, []).append(value)
         rank = self.member.rank
-        emit("round", rank=rank, round=epoch + 1, rounds=self.rounds, metrics=latest)
+        emit(Round(rank=rank, round=epoch + 1, rounds=self.rounds, metrics=latest))
         if rank == 0:
             key = f"{self.member.keys.job}xgboost/metrics/{epoch + 1:06d}"
             self.member.etcd.put(key, json.dumps(latest))

@@ -8,7 +8,9 @@
   leased; the leader's is MASTER_PORT. After `connect` every member reads them
   all, writes the roster file (0600, never the round's secret), releases its
   port and starts the program under `reaper.py` in a process group of its own,
-  with the environment of `environment.program_environment`.
+  with the environment of `environment.program_environment`. The member passes
+  the program's output on (`relay.py`): its `report` events, never a forged one
+  of the member's own.
 - While the program runs, the member listens for the job's trouble: a lost
   peer (or its own lease) sends SIGTERM to the program's group, SIGKILL after
   `grace_seconds`, and the member fails naming the lost rank. SIGTERM/SIGINT to
@@ -181,7 +183,8 @@ class CommandJob:
         )
         self._release_port()  # free when the program starts
         member.phase = "program"
-        return self._supervise(member, ProgramGroup(self.program, env, self.working_dir))
+        group = ProgramGroup(self.program, env, self.working_dir, rank=rank)
+        return self._supervise(member, group)
 
     def _supervise(self, member: Member, group: ProgramGroup) -> dict[str, object]:
         self._group = group

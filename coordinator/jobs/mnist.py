@@ -54,7 +54,7 @@ from coordinator.datasets.mnist import (
     parse_mnist,
 )
 from coordinator.datasets.shards import plan
-from coordinator.events import emit
+from coordinator.events import Metrics, Step, emit
 from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
@@ -369,7 +369,7 @@ class MnistJob:
                 barrier.complete()
                 if time.monotonic() - reported > 0.5 or barrier.clock >= target:
                     reported = time.monotonic()
-                    emit("step", rank=rank, clock=barrier.clock, target=target, loss=loss.item())
+                    emit(Step(rank=rank, clock=barrier.clock, target=target, loss=loss.item()))
             try:
                 links.bye()
             except (OSError, ProtocolError) as exc:
@@ -632,7 +632,7 @@ class Evaluator:
         self.history.append(record)
         key = f"{self.member.keys.job}mnist/metrics/{record['n']:06d}"
         self.member.etcd.put(key, json.dumps(record))
-        emit("metrics", rank=0, **record)
+        emit(Metrics(rank=0, **record))
         return record
 
     def stop(self) -> None:

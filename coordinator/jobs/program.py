@@ -17,23 +17,35 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from coordinator.jobs.relay import Relay
+
 REAPER = Path(__file__).with_name("reaper.py")
 _POLL = 0.02  # seconds between checks that a stopped group is empty
+_DRAIN = 5.0  # seconds to wait for the program's last output lines once the group is empty
 
 
 class ProgramGroup:
     """One running program (under its reaper), in a process group of its own."""
 
     def __init__(
-        self, program: Sequence[str], env: Mapping[str, str], cwd: Path | None = None
+        self,
+        program: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+        rank: int | None = None,
     ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *program],
             env=dict(env),
             cwd=cwd,
+            stdout=subprocess.PIPE,  # passed on by the member (relay.py): never its own events
+            stderr=subprocess.PIPE,
             start_new_session=True,  # its own group: signals reach the whole program
         )
         self.pgid = self.process.pid
+        assert self.process.stdout is not None and self.process.stderr is not None
+        pipes = {"stdout": self.process.stdout, "stderr": self.process.stderr}
+        self.relay = Relay(pipes, rank, sys.stdout, sys.stderr)  # type: ignore[arg-type]
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -64,11 +76,13 @@ class ProgramGroup:
         once the reaper is reaped and the group is empty (or only zombies are left)."""
         if not self.send(signum):
             self.process.wait()
+            self.relay.join(_DRAIN)
             return
         deadline = time.monotonic() + grace
         while self.alive() and time.monotonic() < deadline:
             time.sleep(_POLL)
         self.kill()
+        self.relay.join(_DRAIN)  # the program's last lines before the member's own
 
     def kill(self) -> None:
         self.send(signal.SIGKILL)

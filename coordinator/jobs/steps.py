@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.barriers.live import LiveBarrier, OnLoss
 from coordinator.barriers.policy import BarrierSpec, Method
-from coordinator.events import emit
+from coordinator.events import Step, emit
 from coordinator.jobs import catalog
 from coordinator.jobs.params import check_known, float_param, int_param
 
@@ -176,7 +176,7 @@ def run(member: Member, options: StepOptions) -> dict[str, object]:
             member.etcd.put(key, json.dumps({"clock": barrier.clock, "target": target}))
             if time.monotonic() - reported > REPORT_SECONDS or barrier.clock >= target:
                 reported = time.monotonic()  # for the service's progress and the dashboard
-                emit("step", rank=member.rank, clock=barrier.clock, target=target)
+                emit(Step(rank=member.rank, clock=barrier.clock, target=target))
         barrier.finish()
     finally:
         barrier.close()

@@ -7,7 +7,6 @@ stdout; its stderr is kept for the report when it fails.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -16,7 +15,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Literal
+
+from coordinator.events import (
+    MAX_LINE_BYTES,
+    Done,
+    Exit,
+    Failed,
+    MemberEvent,
+    Output,
+    Phase,
+    Report,
+    parse_event,
+)
 
 
 @dataclass
@@ -25,8 +36,8 @@ class LocalWorker:
     process: subprocess.Popen[str]
     rank: int | None = None
     phase: str = "starting"
-    done: dict[str, Any] | None = None
-    failed: dict[str, Any] | None = None
+    done: Done | None = None
+    failed: Failed | None = None
     stderr: list[str] = field(default_factory=list)
 
     @property
@@ -40,7 +51,7 @@ class LocalLauncher:
 
     def __init__(self, n: int, worker_args: list[str], echo: bool = False) -> None:
         self.echo = echo
-        self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.events: queue.Queue[tuple[int, MemberEvent]] = queue.Queue()
         self.workers: list[LocalWorker] = []
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
@@ -66,30 +77,30 @@ class LocalLauncher:
     def _read_events(self, worker: LocalWorker) -> None:
         assert worker.process.stdout is not None
         for line in worker.process.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = None
-            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                # Not an event (a line that only looks like one is not ours to act on either).
+            event = parse_event(line)
+            if event is None:  # plain output, or a line that only looks like an event
                 self._output(worker, "stdout", line)
                 continue
-            rank = event.get("rank")
-            if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            if isinstance(event, Output):  # a program's line its member wrapped: shown only
+                if self.echo:
+                    self.events.put((worker.index, event))
+                continue
+            rank = getattr(event, "rank", None)
+            if rank is not None and not isinstance(event, Report):
                 worker.rank = rank
-            if event["event"] == "phase":
-                worker.phase = str(event.get("phase"))
-            elif event["event"] == "done":
+            if isinstance(event, Phase):
+                worker.phase = event.phase
+            elif isinstance(event, Done):
                 worker.done = event
-            elif event["event"] == "failed":
+            elif isinstance(event, Failed):
                 worker.failed = event
             self.events.put((worker.index, event))
         worker.process.wait()
-        self.events.put((worker.index, {"event": "exit", "exit_code": worker.process.returncode}))
+        self.events.put((worker.index, Exit(exit_code=worker.process.returncode)))
 
-    def _output(self, worker: LocalWorker, stream: str, line: str) -> None:
+    def _output(self, worker: LocalWorker, stream: Literal["stdout", "stderr"], line: str) -> None:
         if self.echo:
-            event = {"event": "output", "stream": stream, "line": line.rstrip("\n")}
+            event = Output(stream=stream, line=line.rstrip("\n")[:MAX_LINE_BYTES])
             self.events.put((worker.index, event))
 
     def _read_stderr(self, worker: LocalWorker, stream: IO[str] | None) -> None:

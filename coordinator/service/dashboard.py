@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import WatchEvent
+from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round, Step
 from coordinator.jobs.kinds import KINDS
 from coordinator.service import simulation
 from coordinator.service.boundary import GONE_KEY
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 WEB = Path(__file__).resolve().parent.parent / "web"
 CLOCK_FLUSH_SECONDS = 0.1
 OUTPUT_POLL_SECONDS = 0.5
-LIVE_EVENTS = {"round", "metrics", "step", "done", "failed", "phase"}
+LIVE_EVENTS = (Round, Metrics, Step, Done, Failed, Phase)  # what the live charts follow
 
 
 class WhoAmI(BaseModel):
@@ -193,7 +194,7 @@ def _members(record: JobRecord) -> list[Member]:
     return [m for attempt in record.attempts for m in attempt.members]
 
 
-def _all_events(context: ApiContext, record: JobRecord) -> list[dict[str, Any]]:
+def _all_events(context: ApiContext, record: JobRecord) -> list[MemberEvent]:
     launcher = context.launchers.get(record.spec.launcher)
     if launcher is None:
         return []
@@ -234,7 +235,7 @@ async def _live(context: ApiContext, record: JobRecord) -> AsyncIterator[dict[st
                 chunk = launcher.output(member, offsets.get(key, 0)) if launcher else b""
                 whole = chunk[: chunk.rfind(b"\n") + 1]
                 offsets[key] = offsets.get(key, 0) + len(whole)
-                found += [e for e in member_events(whole) if e.get("event") in LIVE_EVENTS]
+                found += [e.wire() for e in member_events(whole) if isinstance(e, LIVE_EVENTS)]
         return found
 
     try:

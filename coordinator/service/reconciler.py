@@ -53,6 +53,7 @@ from coordinator.etcd.users import (
     provision_job,
     revoke_job,
 )
+from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
 from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
@@ -426,38 +427,37 @@ class Reconciler:
         self._offsets[key] = offset + len(complete)
         update: dict[str, Any] = {}
         for event in member_events(complete):
-            rank = event.get("rank")
-            if _is_int(rank) and 0 <= rank < record.spec.workers:
+            rank = getattr(event, "rank", None)
+            if rank is not None and rank < record.spec.workers:
                 update["rank"] = rank
-            if event.get("event") == "phase":
-                update["phase"] = _text(event.get("phase"))
-            elif event.get("event") == "failed":
-                update["failure"] = event
-                update["phase"] = _text(f"failed in {event.get('phase')}")
-            elif event.get("event") == "done":
+            if isinstance(event, Phase):
+                update["phase"] = event.phase
+            elif isinstance(event, Failed):
+                update["failure"] = event.wire()
+                update["phase"] = _text(f"failed in {event.phase}")
+            elif isinstance(event, Done):
                 update["phase"] = "done"
-                if (address := _roster_address(event)) is not None:
-                    update["address"] = address
-                self._note_result(record.id, event.get("result"))
-            elif event.get("event") in ("round", "step"):
+                if (address := event.address) is not None:
+                    update["address"] = _text(address, 300)
+                self._note_result(record.id, event.result)
+            elif isinstance(event, Round | Step | Report):
                 self._note_progress(record.id, event)
         if member.exit_code is None:
             code = launcher.exit_code(member)
             update["exit_code"] = code if code is None or _is_exit_code(code) else VANISHED
         return member.model_copy(update=_fitting(member, update)) if update else member
 
-    def _note_progress(self, job_id: str, event: dict[str, Any]) -> None:
+    def _note_progress(self, job_id: str, event: Round | Step | Report) -> None:
         pending = self._pending_progress.setdefault(job_id, {})
-        if event["event"] == "round":  # xgboost: rounds and the evaluation metrics
-            pending.update(step=event.get("round"), total=event.get("rounds"))
-            pending["metrics"] = event.get("metrics") or {}
-        else:  # mnist trainers: steps and the loss
-            pending.update(step=event.get("clock"), total=event.get("target"))
-            pending["metrics"] = {"loss": event.get("loss")}
+        if isinstance(event, Round):  # xgboost: rounds and the evaluation metrics
+            pending.update(step=event.round, total=event.rounds, metrics=event.metrics)
+        elif isinstance(event, Step):  # steps and mnist trainers: steps and the loss
+            pending.update(step=event.clock, total=event.target, metrics={"loss": event.loss})
+        else:  # a command job's program, of itself: what it reports, no more
+            reported = {"step": event.step, "total": event.total, "metrics": event.metrics}
+            pending.update({k: v for k, v in reported.items() if v is not None and v != {}})
 
-    def _note_result(self, job_id: str, result: Any) -> None:
-        if not isinstance(result, dict):
-            return
+    def _note_result(self, job_id: str, result: dict[str, Any]) -> None:
         found = {k: str(v) for k, v in result.items() if k.endswith("_path") and v}
         self._pending_progress.setdefault(job_id, {}).setdefault("artifacts", {}).update(found)
 
@@ -625,16 +625,6 @@ def _is_exit_code(code: int) -> bool:
 def _text(value: Any, limit: int = 200) -> str:
     text = value if isinstance(value, str) else str(value)
     return text[:limit]
-
-
-def _roster_address(done: dict[str, Any]) -> str | None:
-    """The member's own address from the roster in its `done` event, if it names one."""
-    roster = done.get("roster")
-    entries = roster.get("members") if isinstance(roster, dict) else None
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and entry.get("rank") == done.get("rank"):
-            return _text(f"{entry.get('host')}:{entry.get('port')}", 300)
-    return None
 
 
 def _fitting(current: BaseModel, update: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ they change at every step, and every job kind that steps keeps them there.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from coordinator.barriers.live import Clock
 from coordinator.barriers.policy import Method
+from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round, Step, parse_events
 from coordinator.jobs.steps import parse_barrier
 
 # A trainer's published clock (barriers.live): `clocks/<rank>` (ASP, DSSP, sampled) or
@@ -52,35 +52,25 @@ class Series(BaseModel):
     events: list[dict[str, Any]] = Field(default_factory=list)  # members' phases and ends
 
 
-def collect(events: Iterable[dict[str, Any]], params: dict[str, str]) -> Series:
+def collect(events: Iterable[MemberEvent], params: dict[str, str]) -> Series:
     """The series of one attempt's events (every member's, in any order)."""
     series = Series(bound=clock_bound(params))
     rounds: dict[int, CurvePoint] = {}
     for event in events:
-        kind = event.get("event")
-        if kind == "round" and event.get("rank") == 0:
-            metrics = _numbers(event.get("metrics") or {})
-            rounds[int(event["round"])] = CurvePoint(
-                t=event["t"], x=event["round"], metrics=metrics
-            )
-        elif kind == "metrics":
+        if isinstance(event, Round) and event.rank == 0:
+            rounds[event.round] = CurvePoint(t=event.t, x=event.round, metrics=event.metrics)
+        elif isinstance(event, Metrics):
             series.curve_x, series.curve_t = "evaluation", "since start"
-            metrics = _numbers({k: event.get(k) for k in ("accuracy", "loss")})
-            series.curve.append(CurvePoint(t=event["t"], x=event.get("n", 0), metrics=metrics))
-        elif kind == "step" and event.get("rank") is not None:
-            series.clocks.setdefault(int(event["rank"]), []).append((event["t"], event["clock"]))
-        if kind in ("phase", "failed", "done"):
+            metrics = _numbers({"accuracy": event.accuracy, "loss": event.loss})
+            series.curve.append(CurvePoint(t=event.t, x=event.n, metrics=metrics))
+        elif isinstance(event, Step):
+            series.clocks.setdefault(event.rank, []).append((event.t, event.clock))
+        if isinstance(event, Phase | Failed | Done):
             keep = ("event", "t", "rank", "phase", "error", "message", "exit_code")
-            series.events.append({k: event[k] for k in keep if k in event})
-        if kind == "done":
-            result = event.get("result") or {}
-            for behind, steps in (result.get("staleness") or {}).items():
-                series.staleness[int(behind)] = series.staleness.get(int(behind), 0) + int(steps)
-            passages = result.get("passages")
-            for clock, slowest, *_ in passages if isinstance(passages, list) else []:
-                if slowest is not None and slowest >= 0:
-                    gap = int(clock) - int(slowest)
-                    series.gaps[gap] = series.gaps.get(gap, 0) + 1
+            fields = event.wire()
+            series.events.append({k: fields[k] for k in keep if k in fields})
+        if isinstance(event, Done):
+            _note_result(series, event.result)
     if rounds:
         series.curve = [rounds[n] for n in sorted(rounds)]
     series.curve.sort(key=lambda point: point.t)
@@ -117,16 +107,25 @@ def live_clock(key: str, value: bytes) -> tuple[int, int] | None:
     return int(found.group(1)), clock
 
 
-def member_events(output: bytes) -> list[dict[str, Any]]:
-    """The JSON events in a member's output (whole lines; anything else is skipped)."""
-    events = []
-    for line in output.splitlines():
-        if line.startswith(b"{"):
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if isinstance(event, dict) and "event" in event:
-                    events.append(event)
-    return events
+def member_events(output: bytes) -> list[MemberEvent]:
+    """The events in a member's output (whole lines; anything else is skipped)."""
+    return parse_events(output)
+
+
+def _note_result(series: Series, result: dict[str, Any]) -> None:
+    """A trainer's staleness and passages, from its `done` result (the job's own shape:
+    anything else there is skipped)."""
+    staleness = result.get("staleness")
+    for behind, steps in staleness.items() if isinstance(staleness, dict) else []:
+        with contextlib.suppress(TypeError, ValueError):
+            series.staleness[int(behind)] = series.staleness.get(int(behind), 0) + int(steps)
+    passages = result.get("passages")
+    for passage in passages if isinstance(passages, list) else []:
+        with contextlib.suppress(TypeError, ValueError):
+            clock, slowest = passage[0], passage[1]
+            if slowest is not None and slowest >= 0:
+                gap = int(clock) - int(slowest)
+                series.gaps[gap] = series.gaps.get(gap, 0) + 1
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, float]:

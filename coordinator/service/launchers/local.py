@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from coordinator.etcd.users import write_password_file
+from coordinator.events import Done, Failed, parse_event
 from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
@@ -268,11 +269,9 @@ def _start_time(pid: int) -> float | None:
 def _last_word(output: bytes) -> int:
     """The exit code a member's last event gave (`failed` carries it; `done` is 0)."""
     for line in reversed(output.splitlines()):
-        if line.startswith(b"{"):
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if event.get("event") == "failed":
-                    return int(event.get("exit_code", VANISHED))
-                if event.get("event") == "done":
-                    return 0
+        event = parse_event(line)
+        if isinstance(event, Failed):
+            return event.exit_code
+        if isinstance(event, Done):
+            return 0
     return VANISHED
