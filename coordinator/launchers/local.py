@@ -12,11 +12,12 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Any
+
+from coordinator.launch import WorkerCommand
 
 
 @dataclass
@@ -35,18 +36,18 @@ class LocalWorker:
 
 
 class LocalLauncher:
-    """Spawns `n` copies of `coordinator worker <args>`; `events` yields their progress
-    (and, with `echo`, their other output lines as `output` events: a program's)."""
+    """Spawns `n` copies of `command`; `events` yields their progress (and, with `echo`,
+    their other output lines as `output` events: a program's)."""
 
-    def __init__(self, n: int, worker_args: list[str], echo: bool = False) -> None:
+    def __init__(self, n: int, command: WorkerCommand, echo: bool = False) -> None:
         self.echo = echo
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.workers: list[LocalWorker] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **command.env()}
         try:
             for index in range(n):
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "coordinator", "worker", *worker_args],
+                    command.process_argv(),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,

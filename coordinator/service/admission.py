@@ -69,6 +69,18 @@ class Roots:
 #: The launchers that can run a `command` job's program (docker and kubernetes: not yet).
 COMMAND_LAUNCHERS = ("local", "agents")
 COMMAND_FIELDS = ("command", "env", "working_dir")
+#: The launchers that can give a member whole GPUs.
+GPU_LAUNCHERS = ("agents", "kubernetes")
+
+
+def admit_gpus(spec: JobSpec) -> None:
+    """Refused (naming `launcher`) for GPUs on a launcher that cannot place them."""
+    if spec.gpus_per_worker > 0 and spec.launcher.value not in GPU_LAUNCHERS:
+        raise Refused(
+            "launcher",
+            f"gpus_per_worker needs the {' or '.join(GPU_LAUNCHERS)} launcher, "
+            f"not {spec.launcher.value}",
+        )
 
 
 def admit_command(spec: JobSpec, roots: Roots) -> JobSpec:

@@ -27,6 +27,7 @@ from coordinator.service.admission import (
     Refused,
     Roots,
     admit_command,
+    admit_gpus,
     admit_params,
     check_kind,
 )
@@ -328,8 +329,12 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
             ["workers"],
             f"{spec.workers} workers can never fit: the service has {context.max_workers} slots",
         )
+    try:
+        admit_gpus(spec)
+    except Refused as exc:
+        raise invalid([exc.field], str(exc)) from None
     if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):
-        raise invalid(["workers"], why)
+        raise invalid(["gpus_per_worker" if spec.gpus_per_worker else "workers"], why)
     assert context.roots is not None
     try:
         spec = admit_command(spec, context.roots)

@@ -30,14 +30,14 @@ from typing import Any, NamedTuple
 
 import psutil
 
-from coordinator.etcd.users import write_password_file
+from coordinator.etcd.users import Credentials, write_password_file
+from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
     Launch,
     Reservation,
-    member_environment,
-    program_settings,
+    member_command,
 )
 from coordinator.service.model import Member
 
@@ -90,7 +90,21 @@ class LocalLauncher:
         return NOTHING  # the service's --max-workers is the limit
 
     def start(self, launch: Launch, index: int) -> Member:
-        folder = self.folder(launch.run_id, launch.attempt)
+        return self.start_member(
+            launch.run_id, launch.attempt, index, launch.command, launch.credentials
+        )
+
+    def start_member(
+        self,
+        run_id: str,
+        attempt: int,
+        index: int,
+        command: WorkerCommand,
+        credentials: Credentials | None = None,
+    ) -> Member:
+        """Start `command` as member `index` of that attempt (or find it started), as the
+        job's etcd user when `credentials` are given (its password in a file of its own)."""
+        folder = self.folder(run_id, attempt)
         self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         pidfile = folder / f"member-{index}.pid"
@@ -98,14 +112,15 @@ class LocalLauncher:
         if pidfile.exists():  # started before: never start it twice
             return Member(index=index, log=str(log), **json.loads(pidfile.read_text()))
         password_file = folder / f"member-{index}.password"
-        if launch.credentials is not None:  # the job's etcd user, for this member only
-            write_password_file(password_file, launch.credentials.password)
+        if credentials is not None:  # the job's etcd user, for this member only
+            write_password_file(password_file, credentials.password)
+        command = member_command(command, credentials, password_file)
         with open(log, "ab") as output:
-            command = [sys.executable, "-m", "coordinator", "worker", *launch.worker_args]
+            argv = command.process_argv()
             if self.die_with_parent:
-                command = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
+                argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv[1:]]
             process = subprocess.Popen(
-                command,
+                argv,
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -115,8 +130,7 @@ class LocalLauncher:
                     **os.environ,
                     "PYTHONUNBUFFERED": "1",
                     "COORDINATOR_PORT": "0",
-                    **member_environment(launch, password_file),
-                    **program_settings(launch.spec),
+                    **command.env(),
                     **self.extra_env,
                 },
                 cwd=self.workdir,
