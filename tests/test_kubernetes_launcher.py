@@ -659,6 +659,23 @@ def test_the_template_folder_comes_from_the_environment(
         launcher.close()
 
 
+def test_a_job_asking_gpus_gets_whole_gpus_in_each_pods_limits(
+    api: tuple[StandIn, k8s_client.ApiClient],
+) -> None:
+    launcher = kl.KubernetesLauncher(IMAGE, NS, ETCD, api[1])
+    try:
+        job = launcher.job(launch(2, gpus=2))
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
+        (worker,) = job["spec"]["template"]["spec"]["containers"]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert worker["resources"]["limits"]["memory"] == "1Gi"  # the template's stay
+        (plain,) = launcher.job(launch(2))["spec"]["template"]["spec"]["containers"]
+        assert "nvidia.com/gpu" not in plain["resources"]["limits"]
+    finally:
+        launcher.close()
+
+
 def test_pod_states_of_evicted_and_foreign_pods() -> None:
     job = {"metadata": {"name": "j"}, "spec": {"template": {"metadata": {"labels": {}}}}}
     evicted = kl.pod_state(pod_of(job, 2, phase="Failed", reason="Evicted"))
