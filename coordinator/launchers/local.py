@@ -8,7 +8,6 @@ stdout; its stderr is kept for the report when it fails.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from coordinator.launch import WorkerCommand
+from coordinator.launch.local import start_process
 
 
 @dataclass
@@ -43,16 +43,10 @@ class LocalLauncher:
         self.echo = echo
         self.events: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.workers: list[LocalWorker] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **command.env()}
         try:
             for index in range(n):
-                process = subprocess.Popen(
-                    command.process_argv(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    env=env,
+                process = start_process(
+                    command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
                 worker = LocalWorker(index, process)
                 self.workers.append(worker)

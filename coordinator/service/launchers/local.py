@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,6 +31,7 @@ import psutil
 
 from coordinator.etcd.users import Credentials, write_password_file
 from coordinator.launch import WorkerCommand
+from coordinator.launch.local import start_process
 from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
@@ -46,18 +46,6 @@ MAX_ATTEMPT = 999
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # one path part, never ..
 _LOG_PATH = re.compile(
     r"(?P<run>[^/]+)/attempt-(?P<attempt>[0-9]{1,3})/member-(?P<index>[0-9]{1,4})\.log"
-)
-
-# Run first in a member that must die with its parent: asks the kernel for SIGKILL when
-# the thread that started it ends (prctl PR_SET_PDEATHSIG = 1, kept across exec), leaves
-# if that parent is already gone, then becomes the worker. A fresh interpreter does this,
-# not code run between fork and exec: there it would share the parent's gRPC state,
-# whose fork handlers abort the child now and then.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
 )
 
 
@@ -116,24 +104,15 @@ class LocalLauncher:
             write_password_file(password_file, credentials.password)
         command = member_command(command, credentials, password_file)
         with open(log, "ab") as output:
-            argv = command.process_argv()
-            if self.die_with_parent:
-                argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv[1:]]
-            process = subprocess.Popen(
-                argv,
+            process = start_process(
+                command,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group, and no terminal signals
-                # Port 0: members on one host must not share the image's fixed port.
-                env={
-                    **os.environ,
-                    "PYTHONUNBUFFERED": "1",
-                    "COORDINATOR_PORT": "0",
-                    **command.env(),
-                    **self.extra_env,
-                },
+                own_session=True,  # its own process group: it outlives us, signalled whole
+                die_with_parent=self.die_with_parent,
                 cwd=self.workdir,
+                # Port 0: members on one host must not share the image's fixed port.
+                extra_env={"COORDINATOR_PORT": "0", **self.extra_env},
             )
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
