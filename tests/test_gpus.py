@@ -67,3 +67,20 @@ def test_an_agent_refuses_bad_gpu_ids(agents: Any) -> None:  # noqa: F811
     agent = agents("--id", "bad-gpus", "--gpus", "0,0")
     assert agent.process.wait(30) == 2
     assert b"more than once" in agent.process.communicate()[1]
+
+
+def test_local_members_get_the_services_own_gpus_one_holder_each(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    service = serve("--gpus", "4,7")
+    spec = {"id": "local-gpus", "kind": "command", "workers": 2, "gpus_per_worker": 1,
+            "launcher": "local", "command": [sys.executable, "-c", SHOW]}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    record = wait_state(service, "local-gpus", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    logs = service.http.get("/v1/jobs/local-gpus/logs").text
+    visible = sorted(line.split()[-1] for line in logs.splitlines() if "gpu-check" in line)
+    assert visible == ["4", "7"], logs
+    refused = service.http.post("/v1/jobs", json={**spec, "id": "more", "workers": 3})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["detail"][0]["loc"][-1] == "gpus_per_worker"

@@ -53,6 +53,7 @@ class ApiContext:
     launchers: dict[Launcher, WorkerLauncher]
     max_workers: int
     metrics: ServiceMetrics
+    local_gpus: tuple[int, ...] = ()  # `serve --gpus`: what local members may get
     tokens: Tokens | None = None  # None: no auth (--insecure only)
     default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
     roots: Roots | None = None  # where submitted paths may point (None: from the environment)
@@ -330,7 +331,7 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
             f"{spec.workers} workers can never fit: the service has {context.max_workers} slots",
         )
     try:
-        admit_gpus(spec)
+        admit_gpus(spec, len(context.local_gpus))
     except Refused as exc:
         raise invalid([exc.field], str(exc)) from None
     if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):

@@ -56,15 +56,19 @@ class LocalLauncher:
         die_with_parent: bool = False,
         workdir: Path | None = None,
         extra_env: dict[str, str] | None = None,
+        gpus: tuple[int, ...] = (),
     ) -> None:
         """`die_with_parent`: members are killed when the thread that started them ends
         (an agent's members die with it); the service's members outlive it instead.
         `workdir`: where members run [ours] (an agent's data dir: relative paths stay in it).
-        `extra_env`: set for every member (an agent's working-dir roots)."""
+        `extra_env`: set for every member (an agent's working-dir roots).
+        `gpus`: the GPU ids members of jobs with `gpus_per_worker` get (`serve --gpus`);
+        which a member holds is in its pidfile, so a restarted service knows them too."""
         self.logs = logs
         self.extra_env = dict(extra_env or {})
         self.die_with_parent = die_with_parent
         self.workdir = workdir
+        self.gpus = gpus
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
 
     def folder(self, run_id: str, attempt: int) -> Path:
@@ -74,13 +78,38 @@ class LocalLauncher:
             raise ValueError(f"run id {run_id!r}, attempt {attempt}: not a member folder")
         return self._within(self.logs / run_id / f"attempt-{attempt}")
 
-    def reserve(self, launch: Launch) -> Reservation:
-        return NOTHING  # the service's --max-workers is the limit
+    def reserve(self, launch: Launch) -> Reservation | None:
+        """Room always (the service's --max-workers is the limit), unless the job asks for
+        more GPUs than running members leave free: then it waits."""
+        wanted = launch.spec.gpus_per_worker * launch.spec.workers
+        if wanted and len(self.free_gpus()) < wanted:
+            return None
+        return NOTHING
+
+    def free_gpus(self) -> list[int]:
+        """The GPUs of `self.gpus` no running member holds (as its pidfile says)."""
+        if not self.gpus:
+            return []
+        held: set[int] = set()
+        for pidfile in self.logs.glob("*/attempt-*/member-*.pid"):
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                written = json.loads(pidfile.read_text())
+                member = Member(index=0, pid=written["pid"], started=written["started"])
+                gpus = written.get("gpus", [])
+                if gpus and self._running(member):
+                    held.update(g for g in gpus if isinstance(g, int))
+        return [gpu for gpu in self.gpus if gpu not in held]
 
     def start(self, launch: Launch, index: int) -> Member:
-        return self.start_member(
-            launch.run_id, launch.attempt, index, launch.command, launch.credentials
-        )
+        command = launch.command
+        wanted = launch.spec.gpus_per_worker
+        started = self.folder(launch.run_id, launch.attempt) / f"member-{index}.pid"
+        if wanted and not started.exists():  # whole GPUs no running member holds
+            free = self.free_gpus()
+            if len(free) < wanted:
+                raise RuntimeError(f"member {index}: {wanted} GPUs are not free (of {free})")
+            command = command.model_copy(update={"gpus": tuple(free[:wanted])})
+        return self.start_member(launch.run_id, launch.attempt, index, command, launch.credentials)
 
     def start_member(
         self,
@@ -98,7 +127,9 @@ class LocalLauncher:
         pidfile = folder / f"member-{index}.pid"
         log = folder / f"member-{index}.log"
         if pidfile.exists():  # started before: never start it twice
-            return Member(index=index, log=str(log), **json.loads(pidfile.read_text()))
+            written = json.loads(pidfile.read_text())
+            identity = {"pid": written["pid"], "started": written["started"]}
+            return Member(index=index, log=str(log), **identity)
         password_file = folder / f"member-{index}.password"
         if credentials is not None:  # the job's etcd user, for this member only
             write_password_file(password_file, credentials.password)
@@ -117,7 +148,7 @@ class LocalLauncher:
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
         partial = pidfile.with_suffix(".partial")
-        partial.write_text(json.dumps(identity))
+        partial.write_text(json.dumps({**identity, "gpus": list(command.gpus)}))
         partial.replace(pidfile)
         return Member(index=index, log=str(log), **identity)
 
