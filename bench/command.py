@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 
 from coordinator.etcd.server import EmbeddedEtcd, free_port
+from coordinator.launch import WorkerCommand
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = ROOT / "tests" / "programs" / "block_in_allreduce.py"
@@ -210,9 +211,10 @@ def launch_ours(etcd: EmbeddedEtcd, ttl: int) -> Callable[[Started, int, Callabl
         namespace = f"/bench-lost-{free_port()}"
         for _ in range(n):
             started.start(
-                [sys.executable, "-m", "coordinator", "worker", "--job", "lost", "--world-size",
-                 str(n), "--etcd", etcd.endpoint, "--namespace", namespace, "--ttl", str(ttl),
-                 "--kind", "command", "--", sys.executable, str(BLOCK)],
+                WorkerCommand(
+                    job_id="lost", world_size=n, etcd=etcd.endpoint, namespace=namespace,
+                    ttl=ttl, kind="command", program=(sys.executable, str(BLOCK)),
+                ).process_argv(),
                 line,
                 env={"PIDS_DIR": PIDS_DIR},
             )  # fmt: skip

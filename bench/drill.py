@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.launch import WorkerCommand
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout
 from coordinator.worker import EXIT_CODES
 
@@ -255,12 +256,11 @@ def run_trial(
     p = plan(seed, number, config)
     trial = Trial(seed, number, p["n"], p["kind"], p["params"], p["target"], p["victim"])
     job = f"drill-{seed}-{number}-{random.SystemRandom().randrange(1 << 32):08x}"
-    args = [
-        sys.executable, "-m", "coordinator", "worker", "--job", job,
-        "--world-size", str(p["n"]), "--etcd", endpoint, "--namespace", namespace,
-        "--ttl", str(config.ttl), "--timeout", f"{config.timeout:g}", "--kind", p["kind"],
-        *(arg for param in p["params"] for arg in ("--param", param)),
-    ]  # fmt: skip
+    args = WorkerCommand(
+        job_id=job, world_size=p["n"], etcd=endpoint, namespace=namespace, ttl=config.ttl,
+        timeout=config.timeout, kind=p["kind"],
+        params=dict(param.split("=", 1) for param in p["params"]),
+    ).process_argv()  # fmt: skip
     workers: list[Worker | None] = [None] * p["n"]
     began = time.monotonic()
     with Etcd(endpoint, namespace=namespace) as etcd:

@@ -66,6 +66,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.launch import WorkerCommand
 
 console = Console(width=150)
 REPO = Path(__file__).resolve().parent.parent
@@ -120,11 +121,10 @@ def run_one(
 ) -> dict[str, Any]:
     """One job as `world_size` worker processes; its summary.json (rank 0's)."""
     job = f"methods-{run.method}-{run.setting}-{uuid.uuid4().hex[:6]}"
-    args = [
-        sys.executable, "-m", "coordinator", "worker", "--kind", "mnist", "--job", job,
-        "--world-size", str(world_size), "--etcd", endpoint, "--timeout", "600",
-    ]  # fmt: skip
-    args += [a for k, v in params.items() for a in ("--param", f"{k}={v}")]
+    args = WorkerCommand(
+        job_id=job, world_size=world_size, etcd=endpoint, kind="mnist", timeout=600,
+        params={k: str(v) for k, v in params.items()},
+    ).process_argv()  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     procs = [

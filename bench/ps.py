@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coordinator.datasets.mnist import load_train_shard, parse_mnist
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import batch_rows
+from coordinator.launch import WorkerCommand
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, MnistNet, server_tensors
 from coordinator.ps.optim import OptimizerSpec
@@ -235,11 +236,10 @@ def job(endpoint: str, data: str, epochs: int, batch_size: int, method: str) -> 
             "data": data, "epochs": epochs, "batch_size": batch_size, "method": method,
             "eval_seconds": 3600, "checkpoint_every": 0, "artifacts": artifacts,
         }  # fmt: skip
-        args = [
-            sys.executable, "-m", "coordinator", "worker", "--job", job_id, "--world-size", "3",
-            "--etcd", endpoint, "--kind", "mnist",
-            *(arg for k, v in params.items() for arg in ("--param", f"{k}={v}")),
-        ]  # fmt: skip
+        args = WorkerCommand(
+            job_id=job_id, world_size=3, etcd=endpoint, kind="mnist",
+            params={k: str(v) for k, v in params.items()},
+        ).process_argv()  # fmt: skip
         processes = [
             subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for _ in range(3)

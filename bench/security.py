@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,9 +26,9 @@ import uuid
 from pathlib import Path
 
 from coordinator.etcd.client import Etcd
-from coordinator.etcd.security import ENV
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.users import provision_job, revoke_job, write_password_file
+from coordinator.launch import WorkerCommand
 
 NAMESPACE = "/bench-security"
 
@@ -59,12 +58,12 @@ def start_job(
         credentials = provision_job(admin, job_id)
         user = credentials.user
         password_file = str(write_password_file(folder / job_id, credentials.password))
-    environment.update({ENV["user"]: str(user), ENV["password_file"]: str(password_file)})
-    args = [
-        sys.executable, "-m", "coordinator", "worker", "--job", job_id,
-        "--world-size", str(workers), "--etcd", server.endpoint, "--namespace", NAMESPACE,
-        "--kind", "noop", "--timeout", "60",
-    ]  # fmt: skip
+    command = WorkerCommand(
+        job_id=job_id, world_size=workers, etcd=server.endpoint, namespace=NAMESPACE,
+        kind="noop", timeout=60, etcd_user=str(user), etcd_password_file=str(password_file),
+    )  # fmt: skip
+    environment.update(command.env())
+    args = command.process_argv()
     arrived: list[float] = []
     processes = [
         subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -39,6 +39,7 @@ from rich.table import Table  # noqa: E402
 
 from coordinator.datasets import load_all, parse_source  # noqa: E402
 from coordinator.etcd.server import EmbeddedEtcd  # noqa: E402
+from coordinator.launch import WorkerCommand  # noqa: E402
 
 console = Console(width=150)
 BOOSTER = {"objective": "binary:logistic", "eval_metric": "logloss", "max_depth": 6, "eta": 0.3}
@@ -73,12 +74,10 @@ def distributed(data: str, eval_data: str, rounds: int, members: int) -> dict[st
     with EmbeddedEtcd() as server, tempfile.TemporaryDirectory() as artifacts:
         server.security.export()  # members and clients log in as root (auth is on)
         params["artifacts"] = artifacts
-        args = [
-            sys.executable, "-m", "coordinator", "worker", "--kind", "xgboost",
-            "--job", f"bench-{uuid.uuid4().hex[:6]}", "--world-size", str(members),
-            "--etcd", server.endpoint,
-        ]  # fmt: skip
-        args += [arg for name, value in params.items() for arg in ("--param", f"{name}={value}")]
+        args = WorkerCommand(
+            job_id=f"bench-{uuid.uuid4().hex[:6]}", world_size=members, etcd=server.endpoint,
+            kind="xgboost", params={name: str(value) for name, value in params.items()},
+        ).process_argv()  # fmt: skip
         began = time.perf_counter()
         procs = [
             subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -21,6 +21,7 @@ import pytest
 
 from coordinator.etcd.client import Etcd, WatchEvent
 from coordinator.etcd.session import Session
+from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import Launch
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.model import JobSpec, JobState
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.one_etcd
 
 def test_members_spread_over_the_freest_agents_and_a_job_is_placed_whole_or_not_at_all() -> None:
     rooms = [AgentRoom("a", 2), AgentRoom("b", 2, used=1), AgentRoom("c", 3)]
-    assert place(rooms, 3, {}) == ["c", "a", "c"]  # most free first, ties by id
+    assert placed_on(place(rooms, 3, {})) == ["c", "a", "c"]  # most free first, ties by id
     assert place(rooms, 6, {}) is not None
     assert place(rooms, 7, {}) is None  # 6 free: nothing is placed
     assert place([AgentRoom("full", 2, used=2)], 1, {}) is None
@@ -46,9 +47,13 @@ def test_members_spread_over_the_freest_agents_and_a_job_is_placed_whole_or_not_
 
 def test_labels_narrow_the_agents_a_job_may_use() -> None:
     rooms = [AgentRoom("cpu", 4, labels={"zone": "a"}), AgentRoom("gpu", 1, labels={"gpu": "1"})]
-    assert place(rooms, 1, {"gpu": "1"}) == ["gpu"]
+    assert placed_on(place(rooms, 1, {"gpu": "1"})) == ["gpu"]
     assert place(rooms, 2, {"gpu": "1"}) is None
     assert capacity(rooms, {"zone": "a"}) == 4 and capacity(rooms, {"zone": "b"}) == 0
+
+
+def placed_on(placed: list[tuple[str, tuple[int, ...]]] | None) -> list[str] | None:
+    return None if placed is None else [agent_id for agent_id, _ in placed]
 
 
 # -- the guarded transaction ------------------------------------------------------------
@@ -70,7 +75,9 @@ def test_two_replicas_placing_from_the_same_view_never_over_fill_an_agent(etcd: 
             store.submit(JobSpec(id=f"race-{n}", kind="noop", workers=2), time.time())[0]
             for n in range(2)
         ]
-        launches = [Launch(r.run_id, 1, r.spec, ["--job", r.id]) for r in records]
+        launches = [
+            Launch(r.run_id, 1, r.spec, WorkerCommand(job_id=r.id, world_size=2)) for r in records
+        ]
         reservations = [launcher.reserve(launch) for launch in launches]  # the same view
         assert all(r is not None and len(r.members) == 2 for r in reservations)
 

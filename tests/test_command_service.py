@@ -282,6 +282,7 @@ def test_the_docker_launcher_starts_nothing_in_an_image_it_does_not_allow(tmp_pa
     """A record read from etcd is not trusted: a `command` job whose image the launcher
     does not allow (a forged record, or a service restarted with another list) fails to
     start, naming the image, before the engine is asked anything (there is none here)."""
+    from coordinator.launch import WorkerCommand
     from coordinator.service.images import ImagePolicy
     from coordinator.service.launchers import Launch
     from coordinator.service.launchers.docker import DockerLauncher
@@ -298,7 +299,8 @@ def test_the_docker_launcher_starts_nothing_in_an_image_it_does_not_allow(tmp_pa
     spec = JobSpec(kind="command", workers=1, launcher="docker", command=["true"])
     forged = spec.model_copy(update={"image": "localhost/evil:1"})
     with pytest.raises(ValueError, match="localhost/evil:1"):
-        launcher.start(Launch("run", 1, forged, ["--", "true"]), 0)
+        command = WorkerCommand(job_id="run", world_size=1, kind="command", program=("true",))
+        launcher.start(Launch("run", 1, forged, command), 0)
     with pytest.raises(ValueError, match="is not allowed"):  # the default is not listed
         launcher.image_of(spec)
     assert launcher.image_of(spec.model_copy(update={"image": "ddp:2"})) == "ddp:2"

@@ -30,6 +30,7 @@ from kubernetes import client as k8s_client
 
 from coordinator.deploy import k8s
 from coordinator.etcd.users import Credentials
+from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers import kubernetes as kl
 from coordinator.service.model import JobSpec, Member
@@ -270,16 +271,18 @@ def launch(
     run_id: str = "demo-1a2b3c4d",
     attempt: int = 1,
     credentials: Credentials | None = CREDENTIALS,
+    gpus: int = 0,
 ) -> Launch:
     job_id = run_id.rsplit("-", 1)[0]
-    args = [
-        "--job", job_id, "--world-size", str(workers), "--etcd", "127.0.0.1:2379",
-        "--namespace", "/coordinator", "--kind", "steps", "--ttl", "10",
-        "--param", "steps=5",
-    ]  # fmt: skip
-    spec = JobSpec(id=job_id, kind="steps", workers=workers, launcher="kubernetes")
+    command = WorkerCommand(
+        job_id=job_id, world_size=workers, etcd="127.0.0.1:2379", namespace="/coordinator",
+        kind="steps", ttl=10, params={"steps": "5"},
+    )  # fmt: skip
+    spec = JobSpec(
+        id=job_id, kind="steps", workers=workers, launcher="kubernetes", gpus_per_worker=gpus
+    )
     return Launch(
-        run_id=run_id, attempt=attempt, spec=spec, worker_args=args, credentials=credentials
+        run_id=run_id, attempt=attempt, spec=spec, command=command, credentials=credentials
     )
 
 
@@ -652,6 +655,23 @@ def test_the_template_folder_comes_from_the_environment(
     try:
         (worker,) = launcher.job(launch(2))["spec"]["template"]["spec"]["containers"]
         assert worker["resources"]["limits"]["memory"] == "3Gi"
+    finally:
+        launcher.close()
+
+
+def test_a_job_asking_gpus_gets_whole_gpus_in_each_pods_limits(
+    api: tuple[StandIn, k8s_client.ApiClient],
+) -> None:
+    launcher = kl.KubernetesLauncher(IMAGE, NS, ETCD, api[1])
+    try:
+        job = launcher.job(launch(2, gpus=2))
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
+        (worker,) = job["spec"]["template"]["spec"]["containers"]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert worker["resources"]["limits"]["memory"] == "1Gi"  # the template's stay
+        (plain,) = launcher.job(launch(2))["spec"]["template"]["spec"]["containers"]
+        assert "nvidia.com/gpu" not in plain["resources"]["limits"]
     finally:
         launcher.close()
 

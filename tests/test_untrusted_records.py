@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd
+from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.model import JobRecord, JobSpec, JobState, Member
@@ -230,9 +231,10 @@ def test_the_local_launcher_signals_only_the_processes_it_started(
 ) -> None:
     launcher = LocalLauncher(tmp_path / "logs")
     spec = JobSpec(id="solo", kind="noop", workers=2)
-    args = ["--job", "solo", "--world-size", "2", "--etcd", etcd_server.endpoint,
-            "--namespace", etcd.namespace, "--ttl", "2"]  # fmt: skip
-    member = launcher.start(Launch("solo-0123abcd", 1, spec, args), 0)  # waits for a peer
+    command = WorkerCommand(
+        job_id="solo", world_size=2, etcd=etcd_server.endpoint, namespace=etcd.namespace, ttl=2
+    )
+    member = launcher.start(Launch("solo-0123abcd", 1, spec, command), 0)  # waits for a peer
     bystander = bystanders()
     log = str(tmp_path / "logs" / "solo-0123abcd" / "attempt-1" / "member-0.log")
     forgeries = [

@@ -31,6 +31,14 @@ def agent(
         str | None, typer.Option("--id", help="this agent's id, unique in the namespace [host]")
     ] = None,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE (repeat)")] = None,
+    gpus: Annotated[
+        str,
+        typer.Option(
+            help="GPU ids this host offers, e.g. 0,1,2,3: a member gets whole ones as "
+            "CUDA_VISIBLE_DEVICES [none]",
+            show_default=False,
+        ),
+    ] = "",
     etcd: EtcdOption = None,
     namespace: NamespaceOption = "/coordinator",
     data_dir: Annotated[Path, typer.Option(help="members' output")] = Path("agent-data"),
@@ -62,9 +70,14 @@ def agent(
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
     from coordinator.etcd.client import Etcd, EtcdError
     from coordinator.etcd.names import check_name
+    from coordinator.launch import parse_gpus
     from coordinator.service.agent import Agent, AgentOptions, AgentTaken
 
     labels = parse_labels(label)
+    try:
+        gpu_ids = parse_gpus(gpus)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gpus") from None
     try:
         agent_id = check_name("agent id", agent_id or socket.gethostname())
     except ValueError as exc:
@@ -82,6 +95,7 @@ def agent(
         advertise=advertise,
         ttl=ttl,
         drain_seconds=drain_seconds,
+        gpus=gpu_ids,
     )
     try:
         # Its etcd user (`coordinator credentials agent`) may touch only its own keys.
@@ -104,7 +118,8 @@ def agent(
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, on_sigterm)
-    console.print(f"agent {options.agent_id}: {slots} slots, output at {running.address}")
+    offered = f", GPUs {gpus}" if gpu_ids else ""
+    console.print(f"agent {options.agent_id}: {slots} slots{offered}, output at {running.address}")
     try:
         running.run(stop)
     finally:

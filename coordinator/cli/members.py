@@ -56,6 +56,7 @@ from coordinator.etcd.users import (
 )
 from coordinator.events import Metrics, Output, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
+from coordinator.launch import WorkerCommand
 from coordinator.launchers.local import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
 from coordinator.rendezvous.errors import MemberLost
@@ -260,20 +261,25 @@ def run(
     job_id = job or f"{kind_name}-{uuid.uuid4().hex[:8]}"
     shortcuts = {"data": data, "rounds": rounds, "epochs": epochs, "method": method}
     param = [*(param or []), *(f"{k}={v}" for k, v in shortcuts.items() if v is not None)]
+    params = parse_param_option(param)
     # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with _etcd_endpoint(etcd, namespace, job_id, security) as endpoint:
-            args = [
-                "--job", job_id, "--world-size", str(workers), "--etcd", endpoint,
-                "--kind", kind_name, "--namespace", namespace, "--ttl", str(ttl),
-                "--timeout", str(timeout), "--connect-timeout", str(connect_timeout),
-                *(arg for p in param or [] for arg in ("--param", p)),
-            ]  # fmt: skip
-            if kind_name == COMMAND:
-                args += ["--", *(program or [])]  # one list, as given
+            command = WorkerCommand(
+                job_id=job_id,
+                world_size=workers,
+                etcd=endpoint,
+                kind=kind_name,
+                namespace=namespace,
+                ttl=ttl,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+                params=params,
+                program=tuple(program or ()) if kind_name == COMMAND else None,  # as given
+            )
             console.print(f"job [bold]{job_id}[/bold]: {workers} {kind_name} workers")
-            launcher = LocalLauncher(workers, args, echo=kind_name == COMMAND)
+            launcher = LocalLauncher(workers, command, echo=kind_name == COMMAND)
             try:
                 if kind_name == COMMAND:  # the programs' output, and no deadline on training
                     _echo(launcher)

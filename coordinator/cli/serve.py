@@ -19,6 +19,7 @@ from coordinator.cli.options import (
     console,
     etcd_security,
 )
+from coordinator.launch import parse_gpus
 from coordinator.rendezvous.address import is_loopback
 from coordinator.service.model import Launcher
 
@@ -64,6 +65,13 @@ def serve(
     max_workers: Annotated[
         int, typer.Option(min=1, help="worker slots: jobs queue until theirs are free")
     ] = max(2, 2 * (os.cpu_count() or 1)),
+    gpus: Annotated[
+        str,
+        typer.Option(
+            help="GPU ids local members may get (gpus_per_worker), e.g. 0,1 [none]",
+            show_default=False,
+        ),
+    ] = "",
     grace: Annotated[float, typer.Option(min=0, help="seconds from SIGTERM to SIGKILL")] = 10.0,
     member_ttl: Annotated[int, typer.Option(min=2, help="lease TTL of the members")] = 10,
     token_file: Annotated[
@@ -191,6 +199,10 @@ def serve(
                 "pip install 'etcd-coordinator[kubernetes]'",
                 param_hint="--k8s-image",
             ) from None
+    try:
+        gpu_ids = parse_gpus(gpus)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gpus") from None
     data_dir = data_dir.absolute()
     # Where submitted paths may point; the local members check it again as they read.
     # (The jobs' default artifacts folder, $COORDINATOR_ARTIFACTS, is the default root.)
@@ -217,6 +229,7 @@ def serve(
         namespace=namespace,
         data_dir=data_dir,
         max_workers=max_workers,
+        gpus=gpu_ids,
         grace=grace,
         member_ttl=member_ttl,
         tokens=tokens,

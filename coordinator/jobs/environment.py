@@ -30,6 +30,9 @@ CONTRACT = (
 #: member takes both out before anything else sees its environment.
 PROGRAM_ENV = "COORDINATOR_PROGRAM_ENV"
 PROGRAM_DIR = "COORDINATOR_PROGRAM_DIR"
+#: The member's GPU ids (comma-separated, set by its launcher), which its program sees as
+#: CUDA_VISIBLE_DEVICES: declared ids are the truth, nothing is probed.
+GPUS_ENV = "COORDINATOR_GPUS"
 #: Where a program's folder must lie (os.pathsep between several), set by `serve`.
 WORKING_DIR_ROOT_ENV = "COORDINATOR_WORKING_DIR_ROOT"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -118,6 +121,8 @@ def program_environment(
     for var in ETCD_SECURITY_ENV.values():
         if not env.get(var):
             env.pop(var, None)
+    if env.get(GPUS_ENV):  # the member's GPUs win over an inherited or submitted setting
+        env["CUDA_VISIBLE_DEVICES"] = env[GPUS_ENV]
     return env
 
 

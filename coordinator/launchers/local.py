@@ -7,11 +7,9 @@ stdout; its stderr is kept for the report when it fails.
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +26,8 @@ from coordinator.events import (
     Report,
     parse_event,
 )
+from coordinator.launch import WorkerCommand
+from coordinator.launch.local import start_process
 
 
 @dataclass
@@ -46,23 +46,17 @@ class LocalWorker:
 
 
 class LocalLauncher:
-    """Spawns `n` copies of `coordinator worker <args>`; `events` yields their progress
-    (and, with `echo`, their other output lines as `output` events: a program's)."""
+    """Spawns `n` copies of `command`; `events` yields their progress (and, with `echo`,
+    their other output lines as `output` events: a program's)."""
 
-    def __init__(self, n: int, worker_args: list[str], echo: bool = False) -> None:
+    def __init__(self, n: int, command: WorkerCommand, echo: bool = False) -> None:
         self.echo = echo
         self.events: queue.Queue[tuple[int, MemberEvent]] = queue.Queue()
         self.workers: list[LocalWorker] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
             for index in range(n):
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "coordinator", "worker", *worker_args],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    env=env,
+                process = start_process(
+                    command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
                 worker = LocalWorker(index, process)
                 self.workers.append(worker)

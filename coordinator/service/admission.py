@@ -72,6 +72,28 @@ COMMAND_LAUNCHERS = ("local", "agents", "docker")
 #: Where a `command` job's members are containers: its folder is inside the image.
 CONTAINER_LAUNCHERS = ("docker",)
 COMMAND_FIELDS = ("command", "env", "working_dir", "image")
+#: The launchers that can give a member whole GPUs (and local, with `serve --gpus`).
+GPU_LAUNCHERS = ("agents", "kubernetes")
+
+
+def admit_gpus(spec: JobSpec, local_gpus: int) -> None:
+    """Refused for GPUs on a launcher that cannot place them (naming `launcher`), or more
+    than the service's own `--gpus` for local members (naming `gpus_per_worker`)."""
+    wanted = spec.gpus_per_worker
+    if wanted == 0 or spec.launcher.value in GPU_LAUNCHERS:
+        return
+    if spec.launcher.value != "local" or local_gpus == 0:
+        raise Refused(
+            "launcher",
+            f"gpus_per_worker needs the {' or '.join(GPU_LAUNCHERS)} launcher, or local "
+            f"with serve --gpus; not {spec.launcher.value}",
+        )
+    if spec.workers * wanted > local_gpus:
+        raise Refused(
+            "gpus_per_worker",
+            f"{spec.workers} workers with {wanted} GPU(s) each can never fit: the service "
+            f"offers {local_gpus} GPUs (serve --gpus)",
+        )
 
 
 def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None) -> JobSpec:

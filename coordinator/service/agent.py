@@ -46,7 +46,6 @@ from pydantic import ValidationError
 
 from coordinator.etcd.client import Delete, Etcd, EtcdError, Put, WatchEvent
 from coordinator.etcd.session import Session
-from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.rendezvous.address import advertise_address
 from coordinator.service.agent_keys import (
@@ -56,9 +55,9 @@ from coordinator.service.agent_keys import (
     member_name,
     report_key,
 )
-from coordinator.service.launchers import VANISHED, Launch, with_etcd
+from coordinator.service.launchers import VANISHED
 from coordinator.service.launchers.local import LocalLauncher
-from coordinator.service.model import JobSpec, Member
+from coordinator.service.model import Member
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,7 @@ class AgentOptions:
     advertise: str | None = None  # where the service reaches it [host, or the route to etcd]
     ttl: int = 10
     drain_seconds: float = 30.0
+    gpus: tuple[int, ...] = ()  # the GPU ids it offers; members get the ones assigned
 
 
 @dataclass
@@ -131,6 +131,8 @@ class Agent:
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
+        if options.gpus:
+            record["gpus"] = list(options.gpus)
         created, current, _ = etcd.create(
             agent_key(etcd, options.agent_id), json.dumps(record), self.session.lease_id
         )
@@ -169,6 +171,7 @@ class Agent:
                     "namespace": self.etcd.namespace,
                     "data_dir": self.options.data_dir,
                     "working_dir_roots": self.working_dir_roots,
+                    "gpus": self.options.gpus,
                 },
             )
             if name != member_name(assignment.run_id, assignment.attempt, assignment.index):
@@ -193,26 +196,14 @@ class Agent:
             self._ended(name, Member(index=assignment.index), VANISHED)
             return
         credentials = assignment.credentials
-        args = with_etcd(assignment.worker_args, ",".join(self.etcd.urls))
-        # The local launcher reads only the args, and a command's env and folder.
-        spec = JobSpec(kind="noop", workers=1)
-        if assignment.command is not None:
-            args += ["--", *assignment.command]
-            spec = JobSpec(
-                kind=COMMAND,
-                workers=1,
-                command=assignment.command,
-                env=assignment.env,
-                working_dir=assignment.working_dir,
-            )
-        launch = Launch(
-            run_id=assignment.run_id,
-            attempt=assignment.attempt,
-            spec=spec,
-            worker_args=args,
-            credentials=credentials.credentials() if credentials is not None else None,
+        command = assignment.worker_command(",".join(self.etcd.urls))
+        member = self.launcher.start_member(
+            assignment.run_id,
+            assignment.attempt,
+            assignment.index,
+            command,
+            credentials.credentials() if credentials is not None else None,
         )
-        member = self.launcher.start(launch, assignment.index)
         with self._lock:
             self.members[name] = Running(member)
         self._report(name, member, None)

@@ -1,12 +1,13 @@
 """The keys agents and the service's `agents` launcher share, under `<ns>/`, and the
 models every value read from them must pass: neither side trusts what it reads.
 
-- `agents/<id>`: `AgentRecord` (`{slots, labels, address, token, version, pid, host}`),
+- `agents/<id>`: `AgentRecord` (`{slots, labels, address, token, version, pid, host,
+  gpus}`),
   bound to the agent's lease; created only if absent, so two live agents never
   share an id. `token` is the bearer token its output server asks for.
 - `assignments/<id>/<member>`: an `Assignment`, a member the service placed on that
   agent (`{run_id, attempt, index, worker_args, credentials}`, with `command`, `env`
-  and `working_dir` for a command job, and `stop` once the
+  and `working_dir` for a command job, `gpus` for one asking GPUs, and `stop` once the
   service wants it stopped), bound to the agent's lease. The agent deletes it when
   the member ends, so the assignments under an agent are its slots in use.
 - `reports/<id>/<member>`: a `Report`, the member as its agent saw it last
@@ -25,12 +26,22 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.users import Credentials, job_user
-from coordinator.jobs import COMMAND, JOB_KINDS
+from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import check_program_env
+from coordinator.launch import WorkerCommand
+from coordinator.launch.command import check_gpus
 from coordinator.service.model import ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
 
 RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + r"-[A-Za-z0-9]{1,32}$"
@@ -87,6 +98,12 @@ class AgentRecord(BaseModel):
     version: str = ""
     pid: int = 0
     host: str = ""
+    gpus: tuple[int, ...] = ()  # the GPU ids it offers (`agent --gpus`)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_ids(cls, gpus: tuple[int, ...]) -> tuple[int, ...]:
+        return check_gpus(gpus)
 
     @field_validator("address")
     @classmethod
@@ -127,6 +144,17 @@ class Assignment(BaseModel):
     ] = None
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    gpus: tuple[int, ...] = ()  # the member's GPU ids on its agent
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_ids(cls, gpus: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        """Valid ids, and only ones the agent declared (when it says which)."""
+        check_gpus(gpus)
+        declared = (info.context or {}).get("gpus")
+        if declared is not None and not set(gpus) <= set(declared):
+            raise ValueError(f"GPUs {sorted(set(gpus) - set(declared))} are not this agent's")
+        return gpus
 
     @field_validator("env")
     @classmethod
@@ -147,62 +175,59 @@ class Assignment(BaseModel):
             raise ValueError(f"working_dir {value!r} is outside the agent's roots")
         return value
 
-    def option(self, name: str) -> str:
-        """The value of a single option of `worker_args` (validated: it is there)."""
-        return dict(_pairs(self.worker_args))[name]
-
     @field_validator("worker_args")
     @classmethod
     def _only_the_service_options(cls, args: list[str], info: ValidationInfo) -> list[str]:
         pairs = _pairs(args)
-        seen = [name for name, _ in pairs]
-        for name in seen:
+        for name, _ in pairs:
             if name not in WORKER_OPTIONS:
                 raise ValueError(f"{name!r} is not an option the service gives members")
-            if not WORKER_OPTIONS[name] and seen.count(name) > 1:
-                raise ValueError(f"{name} is given more than once")
-        values = dict(pairs)
-        for required in ("--job", "--world-size"):
-            if required not in values:
-                raise ValueError(f"{required} is missing")
-        if not re.match(ID_PATTERN, values["--job"]):
-            raise ValueError(f"--job {values['--job']!r} is not a job id")
-        if not values["--world-size"].isdigit() or not 1 <= int(values["--world-size"]) <= 1024:
+        command = _parsed(args)
+        if not re.match(ID_PATTERN, command.job_id):
+            raise ValueError(f"--job {command.job_id!r} is not a job id")
+        if not 1 <= command.world_size <= 1024:
             raise ValueError("--world-size must be a whole number of 1..1024")
-        if "--ttl" in values and not (
-            values["--ttl"].isdigit() and 2 <= int(values["--ttl"]) <= 3600
-        ):
+        if command.ttl is not None and not 2 <= command.ttl <= 3600:
             raise ValueError("--ttl must be a whole number of seconds, 2..3600")
-        if values.get("--kind", "noop") not in (*JOB_KINDS, COMMAND):
-            raise ValueError(f"--kind {values['--kind']!r} is not a job kind")
         context = info.context or {}
         namespace = context.get("namespace")
-        if namespace is not None and _namespace(values) != namespace:
-            raise ValueError(f"--namespace {_namespace(values)!r} is not this agent's")
+        if namespace is not None and _namespace(command) != namespace:
+            raise ValueError(f"--namespace {_namespace(command)!r} is not this agent's")
         data_dir = context.get("data_dir")
-        for name, value in pairs:
-            if name == "--param":
-                key, sep, param = value.partition("=")
-                if not sep or not key:
-                    raise ValueError(f"--param {value!r} is not KEY=VALUE")
-                if data_dir is not None:
-                    _inside(f"--param {key}", param, data_dir)
+        if data_dir is not None:
+            for key, param in command.params.items():
+                _inside(f"--param {key}", param, data_dir)
         return args
+
+    def worker_command(self, etcd: str) -> WorkerCommand:
+        """What the agent runs: the assigned command reaching etcd at `etcd` (the agent's
+        endpoints), with the program, its variables, folder and GPUs (the credentials are
+        the launcher's to write to a file)."""
+        return _parsed(self.worker_args).model_copy(
+            update={
+                "etcd": etcd,
+                "program": tuple(self.command) if self.command is not None else None,
+                "program_env": self.env,
+                "working_dir": self.working_dir,
+                "gpus": tuple(self.gpus),
+            }
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> Assignment:
-        job = self.option("--job")
+        command = _parsed(self.worker_args)
+        job = command.job_id
         if not self.run_id.startswith(job + "-"):
             raise ValueError(f"run_id {self.run_id!r} is not of job {job!r}")
-        if self.index >= int(self.option("--world-size")):
+        if self.index >= command.world_size:
             raise ValueError(f"index {self.index} is not below --world-size")
-        is_command = dict(_pairs(self.worker_args)).get("--kind") == COMMAND
+        is_command = command.kind == COMMAND
         if is_command != (self.command is not None):
             raise ValueError(f"a command is given with --kind {COMMAND} only, and it needs one")
         if not is_command and (self.env or self.working_dir):
             raise ValueError(f"env and working_dir are for --kind {COMMAND} only")
         if self.credentials is not None:
-            expected = job_user(_namespace(dict(_pairs(self.worker_args))), job)
+            expected = job_user(_namespace(command), job)
             if self.credentials.user != expected:
                 raise ValueError(f"credentials are not job {job!r}'s etcd user")
         return self
@@ -219,9 +244,19 @@ class Report(BaseModel):
     reason: Annotated[str, Field(max_length=2000)] = ""
 
 
-def _namespace(options: dict[str, str]) -> str:
+def _parsed(args: list[str]) -> WorkerCommand:
+    """`worker_args` as the worker would take them (ValueError naming what is wrong)."""
+    try:
+        return WorkerCommand.from_argv(args)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ValueError(f"{where}: {error['msg']}") from None
+
+
+def _namespace(command: WorkerCommand) -> str:
     """The namespace a member will use, as `Etcd` spells it (the worker's default too)."""
-    given = options.get("--namespace", "/coordinator").strip("/")
+    given = (command.namespace if command.namespace is not None else "/coordinator").strip("/")
     return "/" + given if given else ""
 
 

@@ -29,6 +29,7 @@ from coordinator.service.admission import (
     Refused,
     Roots,
     admit_command,
+    admit_gpus,
     admit_params,
     check_kind,
 )
@@ -59,6 +60,7 @@ class ApiContext:
     launchers: dict[Launcher, WorkerLauncher]
     max_workers: int
     metrics: ServiceMetrics
+    local_gpus: tuple[int, ...] = ()  # `serve --gpus`: what local members may get
     tokens: Tokens | None = None  # None: no auth (--insecure only)
     default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
     roots: Roots | None = None  # where submitted paths may point (None: from the environment)
@@ -342,8 +344,12 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
             ["workers"],
             f"{spec.workers} workers can never fit: the service has {context.max_workers} slots",
         )
+    try:
+        admit_gpus(spec, len(context.local_gpus))
+    except Refused as exc:
+        raise invalid([exc.field], str(exc)) from None
     if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):
-        raise invalid(["workers"], why)
+        raise invalid(["gpus_per_worker" if spec.gpus_per_worker else "workers"], why)
     assert context.roots is not None
     try:
         spec = admit_command(spec, context.roots, context.images)

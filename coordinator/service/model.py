@@ -58,6 +58,15 @@ class JobSpec(BaseModel):
         dict[str, str],
         Field(description="agents launcher: labels an agent must carry to run a member"),
     ] = Field(default_factory=dict)
+    gpus_per_worker: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=64,
+            description="whole GPUs each member gets (agents: of their --gpus, as "
+            "CUDA_VISIBLE_DEVICES; kubernetes: nvidia.com/gpu)",
+        ),
+    ] = 0
     # The `command` kind only (an exec token): the program each member runs, as a list
     # (never split or joined), its extra variables, and its folder (under the service's
     # --working-dir-root).

@@ -56,6 +56,7 @@ from coordinator.etcd.users import (
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
+from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
@@ -254,8 +255,8 @@ class Reconciler:
     def _launch(
         self, record: JobRecord, attempt: int, credentials: Credentials | None = None
     ) -> Launch:
-        args = self._worker_args(record, attempt)
-        return Launch(record.run_id, attempt, record.spec, args, credentials)
+        command = self._worker_command(record, attempt)
+        return Launch(record.run_id, attempt, record.spec, command, credentials)
 
     # -- credentials --------------------------------------------------------------
 
@@ -340,19 +341,23 @@ class Reconciler:
         if record.state.terminal:
             self._revoke(record.id)
 
-    def _worker_args(self, record: JobRecord, attempt: int) -> list[str]:
+    def _worker_command(self, record: JobRecord, attempt: int) -> WorkerCommand:
         spec = record.spec
-        args = [
-            "--job", record.id, "--world-size", str(spec.workers),
-            "--etcd", self.settings.etcd, "--namespace", self.settings.namespace,
-            "--kind", spec.kind, "--ttl", str(self.settings.member_ttl),
-        ]  # fmt: skip
         params = kind_of(spec.kind).retry_params(spec.params, attempt)  # e.g. mnist resumes
-        for name, value in params.items():
-            args += ["--param", f"{name}={value}"]
-        if spec.kind == COMMAND and spec.command:  # a list, never joined; env and folder
-            args += ["--", *spec.command]  # reach the member by its environment instead
-        return args
+        is_command = spec.kind == COMMAND and bool(spec.command)
+        return WorkerCommand(
+            job_id=record.id,
+            world_size=spec.workers,
+            etcd=self.settings.etcd,
+            namespace=self.settings.namespace,
+            kind=spec.kind,
+            ttl=self.settings.member_ttl,
+            params=params,
+            # A list, never joined; its env and folder reach the member by its environment.
+            program=tuple(spec.command) if is_command and spec.command else None,
+            program_env=spec.env if is_command else {},
+            working_dir=spec.working_dir if is_command else None,
+        )
 
     # -- following ------------------------------------------------------------
 

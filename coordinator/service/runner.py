@@ -37,6 +37,7 @@ class ServiceOptions:
     namespace: str
     data_dir: Path  # member logs and default artifacts
     max_workers: int
+    gpus: tuple[int, ...] = ()  # what local members may get (`serve --gpus`)
     grace: float = 10.0
     member_ttl: int = 10
     leader_ttl: int = 5
@@ -71,7 +72,7 @@ class Service:
         self.etcd = Etcd(options.etcd, namespace=options.namespace, security=options.security)
         self.store = JobStore(self.etcd, mirror=True)
         self.launchers: dict[Launcher, WorkerLauncher] = {
-            Launcher.LOCAL: LocalLauncher(options.data_dir / "logs"),
+            Launcher.LOCAL: LocalLauncher(options.data_dir / "logs", gpus=options.gpus),
             Launcher.AGENTS: AgentsLauncher(self.etcd),
         }
         images = None
@@ -125,6 +126,7 @@ class Service:
             store=self.store,
             launchers=self.launchers,
             max_workers=options.max_workers,
+            local_gpus=options.gpus,
             metrics=metrics,
             tokens=options.tokens,
             default_launcher=options.default_launcher,

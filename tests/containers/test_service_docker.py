@@ -35,6 +35,7 @@ from coordinator.etcd.users import (
     provision_job,
     write_password_file,
 )
+from coordinator.launch import WorkerCommand
 from coordinator.service.auth import GENERATED_TOKEN_FILE, Tokens
 from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers.docker import (
@@ -284,7 +285,8 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
         # A launcher asked again for a member (a new leader) finds it, starts none.
         launcher = DockerLauncher(images.worker, cluster.prefix, podman_service.url, "x:2379")
         first = next(m for m in members if m["index"] == 0)
-        again_launch = Launch(run_id, 1, JobSpec(kind="xgboost", workers=2), [])
+        again_command = WorkerCommand(job_id=run_id.rsplit("-", 1)[0], world_size=2)
+        again_launch = Launch(run_id, 1, JobSpec(kind="xgboost", workers=2), again_command)
         assert launcher.start(again_launch, 0).container == first["container"]
         assert {c.id for c in cluster.members()} == set(containers)
 
@@ -322,14 +324,14 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
     assert created.attrs["Labels"][MANAGED_LABEL] == "true"
     created.connect(cluster.etcd)  # so members on it reach etcd by name
     job = cluster.job_id("noop")
-    args = [
-        "--job", job, "--world-size", "1", "--etcd", "127.0.0.1:2379",  # replaced
-        "--namespace", f"/{cluster.prefix}", "--kind", "noop", "--param", "seconds=600",
-    ]  # fmt: skip
+    command = WorkerCommand(
+        job_id=job, world_size=1, etcd="127.0.0.1:2379",  # replaced
+        namespace=f"/{cluster.prefix}", kind="noop", params={"seconds": "600"},
+    )  # fmt: skip
     with cluster.root(f"/{cluster.prefix}") as root:
         credentials = provision_job(root, job)
     spec = JobSpec(kind="noop", workers=1)
-    launch = Launch(f"{job}-run", 1, spec, args, credentials=credentials)
+    launch = Launch(f"{job}-run", 1, spec, command, credentials=credentials)
     member = launcher.start(launch, 0)
     assert launcher.start(launch, 0) == member
 

@@ -17,15 +17,13 @@ including one started by a service process that has since died.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from coordinator.etcd.client import Guard, Put
-from coordinator.etcd.security import ENV
 from coordinator.etcd.users import Credentials
-from coordinator.jobs.environment import PROGRAM_DIR, PROGRAM_ENV
+from coordinator.launch import WorkerCommand
 from coordinator.service.model import JobSpec, Launcher, Member
 
 
@@ -42,38 +40,6 @@ OWN_SLOTS = frozenset({Launcher.LOCAL, Launcher.DOCKER})
 VANISHED = -1
 
 
-def split_program(worker_args: list[str]) -> tuple[list[str], list[str] | None]:
-    """(the worker's options, the program after `--` or None). The options are pairs, so
-    only a `--` where an option name stands starts the program (never a value)."""
-    for i in range(0, len(worker_args), 2):
-        if worker_args[i] == "--":
-            return list(worker_args[:i]), list(worker_args[i + 1 :])
-    return list(worker_args), None
-
-
-def with_etcd(worker_args: list[str], endpoints: str) -> list[str]:
-    """`worker_args` with every `--etcd` value replaced by `endpoints` (the program's own
-    arguments after `--` stay as they are)."""
-    args, program = split_program(worker_args)
-    for i, arg in enumerate(args):
-        if arg == "--etcd" and i + 1 < len(args):
-            args[i + 1] = endpoints
-        elif arg.startswith("--etcd="):
-            args[i] = f"--etcd={endpoints}"
-    return args if program is None else [*args, "--", *program]
-
-
-def program_settings(spec: JobSpec) -> dict[str, str]:
-    """A `command` member's environment entries for its program's variables and folder
-    (never argv: values may be secrets); the member takes them out and checks them."""
-    settings = {}
-    if spec.env:
-        settings[PROGRAM_ENV] = json.dumps(spec.env)
-    if spec.working_dir:
-        settings[PROGRAM_DIR] = spec.working_dir
-    return settings
-
-
 @dataclass(frozen=True)
 class Launch:
     """One attempt of a job, as its members are started."""
@@ -81,23 +47,28 @@ class Launch:
     run_id: str  # names the submission's members, logs and containers
     attempt: int  # 1, 2, ...
     spec: JobSpec
-    worker_args: list[str]  # `coordinator worker <worker_args>`, the same for every member
-    # The job's own etcd user (never in `worker_args`: argv is public). None: the members
+    command: WorkerCommand  # what every member runs (an agents launcher adds its GPUs)
+    # The job's own etcd user (never in `command`: the password is written to a file for
+    # each member, see `member_command`). None: the members
     # connect as their launcher does (etcd without auth, or a service that may not make
     # users).
     credentials: Credentials | None = None
 
 
-def member_environment(launch: Launch, password_file: Path | str) -> dict[str, str]:
-    """The variables that make a member connect as its job's etcd user, replacing the
-    launcher's own: the user and the file its launcher wrote the password to (empty
-    without credentials: the member inherits its launcher's settings)."""
-    if launch.credentials is None:
-        return {}
-    return {
-        ENV["user"]: launch.credentials.user,
-        ENV["password_file"]: str(Path(password_file).absolute()),
-    }
+def member_command(
+    command: WorkerCommand, credentials: Credentials | None, password_file: Path | str
+) -> WorkerCommand:
+    """`command`, connecting as its job's etcd user with the password in the
+    file its launcher wrote (as given without credentials: the member inherits its
+    launcher's etcd settings)."""
+    if credentials is None:
+        return command
+    return command.model_copy(
+        update={
+            "etcd_user": credentials.user,
+            "etcd_password_file": str(Path(password_file).absolute()),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -122,7 +93,7 @@ class WorkerLauncher(Protocol):
         ...
 
     def start(self, launch: Launch, index: int) -> Member:
-        """Start `coordinator worker <worker_args>` as that member (or find it running)."""
+        """Start `launch.command` as that member (or find it running)."""
         ...
 
     def exit_code(self, member: Member) -> int | None:

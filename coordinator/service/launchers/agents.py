@@ -39,7 +39,7 @@ from coordinator.service.agent_keys import (
     report_key,
     reports_prefix,
 )
-from coordinator.service.launchers import VANISHED, Launch, Reservation, split_program
+from coordinator.service.launchers import VANISHED, Launch, Reservation
 from coordinator.service.model import JobSpec, Member
 from coordinator.service.placement import AgentRoom, capacity, matches, place
 
@@ -59,9 +59,14 @@ class AgentsLauncher:
         """The live agents with their slots in use, their registrations, and the
         revision the assignments were read at."""
         registered, _ = self.etcd.get_prefix(self.etcd.key("agents") + "/")
-        assigned, revision = self.etcd.get_prefix(assignments_prefix(self.etcd), keys_only=True)
+        assigned, revision = self.etcd.get_prefix(assignments_prefix(self.etcd))
         start = len(assignments_prefix(self.etcd))
-        used = Counter(kv.key[start:].partition("/")[0] for kv in assigned)
+        used: Counter[str] = Counter()
+        gpus_used: dict[str, set[int]] = {}
+        for kv in assigned:
+            agent_id = kv.key[start:].partition("/")[0]
+            used[agent_id] += 1
+            gpus_used.setdefault(agent_id, set()).update(_assigned_gpus(kv))
         kvs = {}
         rooms = []
         for kv in registered:
@@ -69,17 +74,29 @@ class AgentsLauncher:
             record = _registration(kv)
             if record is not None:
                 kvs[agent_id] = kv
-                rooms.append(AgentRoom(agent_id, record.slots, used[agent_id], record.labels))
+                held = frozenset(gpus_used.get(agent_id, ()))
+                rooms.append(
+                    AgentRoom(
+                        agent_id, record.slots, used[agent_id], record.labels, record.gpus, held
+                    )
+                )
         return rooms, kvs, revision
 
     def never_fits(self, spec: JobSpec) -> str | None:
         """Why the live agents could never run this job at once (None: they could)."""
         rooms, _, _ = self.rooms()
-        room = capacity(rooms, spec.agent_selector)
+        room = capacity(rooms, spec.agent_selector, spec.gpus_per_worker)
         if spec.workers <= room:
             return None
         matching = [r for r in rooms if matches(r, spec.agent_selector)]
         which = f" with labels {spec.agent_selector}" if spec.agent_selector else ""
+        if spec.gpus_per_worker > 0:
+            gpus = sum(len(r.gpus) for r in matching)
+            return (
+                f"{spec.workers} workers with {spec.gpus_per_worker} GPU(s) each can never "
+                f"fit: the {len(matching)} live agent(s){which} declare {gpus} GPUs and "
+                f"room for {room} such workers; start agents with more --gpus or ask for less"
+            )
         return (
             f"{spec.workers} workers can never fit: the {len(matching)} live agent(s){which} "
             f"have {room} slots in all; start more agents or ask for fewer workers"
@@ -87,25 +104,29 @@ class AgentsLauncher:
 
     def reserve(self, launch: Launch) -> Reservation | None:
         rooms, registrations, revision = self.rooms()
-        chosen = place(rooms, launch.spec.workers, launch.spec.agent_selector)
-        if chosen is None:
+        spec = launch.spec
+        placed = place(rooms, spec.workers, spec.agent_selector, spec.gpus_per_worker)
+        if placed is None:
             return None
         puts, members = [], []
-        options, program = split_program(launch.worker_args)
-        for index, agent_id in enumerate(chosen):
+        command = launch.command
+        chosen = [agent_id for agent_id, _ in placed]
+        for index, (agent_id, gpus) in enumerate(placed):
             name = member_name(launch.run_id, launch.attempt, index)
             assignment: dict[str, object] = {
                 "run_id": launch.run_id,
                 "attempt": launch.attempt,
                 "index": index,
-                "worker_args": options,
+                "worker_args": command.options(),
             }
-            if program is not None:  # the command kind: its agent passes env and folder on
-                assignment["command"] = program
-                if launch.spec.env:
-                    assignment["env"] = launch.spec.env
-                if launch.spec.working_dir:
-                    assignment["working_dir"] = launch.spec.working_dir
+            if command.program is not None:  # the command kind: its agent passes env and
+                assignment["command"] = list(command.program)  # folder on
+                if command.program_env:
+                    assignment["env"] = command.program_env
+                if command.working_dir:
+                    assignment["working_dir"] = command.working_dir
+            if gpus:
+                assignment["gpus"] = list(gpus)
             if launch.credentials is not None:  # the assignment is readable by its agent only
                 assignment["credentials"] = {
                     "user": launch.credentials.user,
@@ -229,6 +250,18 @@ def _registration(kv: KeyValue) -> AgentRecord | None:
     except ValidationError as exc:
         log.warning("agent key %s does not parse: ignored (%s)", kv.key, exc)
         return None
+
+
+def _assigned_gpus(kv: KeyValue) -> list[int]:
+    """The GPU ids an assignment holds (none when it names none, or does not parse: an
+    assignment is the service's own writing, checked again by its agent)."""
+    try:
+        gpus = json.loads(kv.value).get("gpus", [])
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(gpus, list):
+        return []
+    return [g for g in gpus if isinstance(g, int) and not isinstance(g, bool)]
 
 
 def _parts(member: Member) -> tuple[str, str]:

@@ -69,8 +69,7 @@ from coordinator.service.launchers import (
     VANISHED,
     Launch,
     Reservation,
-    member_environment,
-    with_etcd,
+    member_command,
 )
 from coordinator.service.model import JobSpec, Member
 
@@ -242,7 +241,7 @@ class DockerLauncher:
         program = _program_settings(launch.spec)
         return client.containers.run(
             image,
-            ["worker", *with_etcd(launch.worker_args, self.container_etcd)],
+            ["worker", *launch.command.with_etcd(self.container_etcd).argv()],
             name=name,
             detach=True,
             network=self.network_name,
@@ -275,7 +274,7 @@ class DockerLauncher:
         path = self.password_path(launch.run_id)
         _write_private(path, launch.credentials.password, MEMBER_UID)
         files[str(path)] = {"bind": MEMBER_PASSWORD_FILE, "mode": "ro"}
-        return member_environment(launch, MEMBER_PASSWORD_FILE)
+        return member_command(launch.command, launch.credentials, MEMBER_PASSWORD_FILE).env()
 
     def password_path(self, run_id: str) -> Path:
         """Where the members of submission `run_id` get their etcd password from."""

@@ -7,7 +7,7 @@ Each attempt of a job is ONE Indexed Job (`completions = parallelism = N`,
 with that completion index. `start` creates the Job on the first index it is asked
 for (409 AlreadyExists: another replica or a predecessor created it, which is as
 good) and returns `Member(container="<namespace>/<job name>/<index>")`, which finds
-the pod again from any replica. The pods run `coordinator worker <worker_args>` (the
+the pod again from any replica. The pods run `coordinator worker <command.argv()>` (the
 image's entrypoint is `coordinator`), with the etcd endpoints replaced by those the
 pods reach (`etcd`, e.g. `etcd:2379`).
 
@@ -49,7 +49,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from coordinator.deploy import k8s
 from coordinator.etcd.client import parse_endpoints
 from coordinator.rendezvous.address import endpoint_host, is_loopback
-from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation, with_etcd
+from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation
 from coordinator.service.model import Member
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ SELECTOR = f"{LAUNCHER_LABEL}=kubernetes"
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 JOB_NAME_KEYS = ("batch.kubernetes.io/job-name", "job-name")
 WORKER_CONTAINER = "worker"
+GPU_RESOURCE = "nvidia.com/gpu"  # what a pod asks of the NVIDIA device plugin
 #: Deleted pods remembered for their exit codes (a pod's DELETED event carries its
 #: last state) until their submission is removed; the oldest go first beyond this.
 MAX_TOMBSTONES = 10_000
@@ -85,17 +86,6 @@ def job_name(run_id: str, attempt: int) -> str:
     """The Job of attempt `attempt` of `run_id`: a DNS label that leaves room for the
     pods' hostnames (`<job>-<index>`), distinct per submission and attempt."""
     return k8s.job_name(f"{run_id}-a{attempt}")
-
-
-def _option(args: list[str], name: str) -> str | None:
-    """The value of `--name V` or `--name=V` in `args` (the last one wins, as in click)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _pod_endpoints(etcd: str) -> str:
@@ -219,15 +209,16 @@ class KubernetesLauncher:
 
     def job(self, launch: Launch) -> dict[str, Any]:
         """The Job of `launch`'s attempt, exactly as `start` sends it."""
-        args = ["worker", *with_etcd(launch.worker_args, self.etcd)]
+        command = launch.command.with_etcd(self.etcd)
+        args = ["worker", *command.argv()]
         spec = launch.spec
         body = k8s.worker_job(
             spec.workers,
-            _option(args, "--job") or spec.id,
+            command.job_id,
             self.image,
             self.etcd,
-            _option(args, "--namespace") or k8s.DEFAULT_NAMESPACE,
-            _option(args, "--kind") or spec.kind,
+            command.namespace or k8s.DEFAULT_NAMESPACE,
+            command.kind or spec.kind,
             "",  # the job's parameters are in `args` (`--param`), which win over the env
             template=self._template,
             name=job_name(launch.run_id, launch.attempt),
@@ -242,6 +233,11 @@ class KubernetesLauncher:
             credentials=launch.credentials is not None,
         )
         body["metadata"]["namespace"] = self.namespace
+        if spec.gpus_per_worker > 0:  # whole GPUs per pod, from the device plugin
+            pod = body["spec"]["template"]["spec"]
+            (worker,) = (c for c in pod["containers"] if c["name"] == WORKER_CONTAINER)
+            limits = worker.setdefault("resources", {}).setdefault("limits", {})
+            limits[GPU_RESOURCE] = spec.gpus_per_worker
         return body
 
     def reserve(self, launch: Launch) -> Reservation:

@@ -24,21 +24,21 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import psutil
 
-from coordinator.etcd.users import write_password_file
+from coordinator.etcd.users import Credentials, write_password_file
 from coordinator.events import Done, Failed, parse_event
+from coordinator.launch import WorkerCommand
+from coordinator.launch.local import start_process
 from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
     Launch,
     Reservation,
-    member_environment,
-    program_settings,
+    member_command,
 )
 from coordinator.service.model import Member
 
@@ -49,18 +49,6 @@ _LOG_PATH = re.compile(
     r"(?P<run>[^/]+)/attempt-(?P<attempt>[0-9]{1,3})/member-(?P<index>[0-9]{1,4})\.log"
 )
 
-# Run first in a member that must die with its parent: asks the kernel for SIGKILL when
-# the thread that started it ends (prctl PR_SET_PDEATHSIG = 1, kept across exec), leaves
-# if that parent is already gone, then becomes the worker. A fresh interpreter does this,
-# not code run between fork and exec: there it would share the parent's gRPC state,
-# whose fork handlers abort the child now and then.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
-)
-
 
 class LocalLauncher:
     def __init__(
@@ -69,15 +57,19 @@ class LocalLauncher:
         die_with_parent: bool = False,
         workdir: Path | None = None,
         extra_env: dict[str, str] | None = None,
+        gpus: tuple[int, ...] = (),
     ) -> None:
         """`die_with_parent`: members are killed when the thread that started them ends
         (an agent's members die with it); the service's members outlive it instead.
         `workdir`: where members run [ours] (an agent's data dir: relative paths stay in it).
-        `extra_env`: set for every member (an agent's working-dir roots)."""
+        `extra_env`: set for every member (an agent's working-dir roots).
+        `gpus`: the GPU ids members of jobs with `gpus_per_worker` get (`serve --gpus`);
+        which a member holds is in its pidfile, so a restarted service knows them too."""
         self.logs = logs
         self.extra_env = dict(extra_env or {})
         self.die_with_parent = die_with_parent
         self.workdir = workdir
+        self.gpus = gpus
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
 
     def folder(self, run_id: str, attempt: int) -> Path:
@@ -87,45 +79,77 @@ class LocalLauncher:
             raise ValueError(f"run id {run_id!r}, attempt {attempt}: not a member folder")
         return self._within(self.logs / run_id / f"attempt-{attempt}")
 
-    def reserve(self, launch: Launch) -> Reservation:
-        return NOTHING  # the service's --max-workers is the limit
+    def reserve(self, launch: Launch) -> Reservation | None:
+        """Room always (the service's --max-workers is the limit), unless the job asks for
+        more GPUs than running members leave free: then it waits."""
+        wanted = launch.spec.gpus_per_worker * launch.spec.workers
+        if wanted and len(self.free_gpus()) < wanted:
+            return None
+        return NOTHING
+
+    def free_gpus(self) -> list[int]:
+        """The GPUs of `self.gpus` no running member holds (as its pidfile says)."""
+        if not self.gpus:
+            return []
+        held: set[int] = set()
+        for pidfile in self.logs.glob("*/attempt-*/member-*.pid"):
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                written = json.loads(pidfile.read_text())
+                member = Member(index=0, pid=written["pid"], started=written["started"])
+                gpus = written.get("gpus", [])
+                if gpus and self._running(member):
+                    held.update(g for g in gpus if isinstance(g, int))
+        return [gpu for gpu in self.gpus if gpu not in held]
 
     def start(self, launch: Launch, index: int) -> Member:
-        folder = self.folder(launch.run_id, launch.attempt)
+        command = launch.command
+        wanted = launch.spec.gpus_per_worker
+        started = self.folder(launch.run_id, launch.attempt) / f"member-{index}.pid"
+        if wanted and not started.exists():  # whole GPUs no running member holds
+            free = self.free_gpus()
+            if len(free) < wanted:
+                raise RuntimeError(f"member {index}: {wanted} GPUs are not free (of {free})")
+            command = command.model_copy(update={"gpus": tuple(free[:wanted])})
+        return self.start_member(launch.run_id, launch.attempt, index, command, launch.credentials)
+
+    def start_member(
+        self,
+        run_id: str,
+        attempt: int,
+        index: int,
+        command: WorkerCommand,
+        credentials: Credentials | None = None,
+    ) -> Member:
+        """Start `command` as member `index` of that attempt (or find it started), as the
+        job's etcd user when `credentials` are given (its password in a file of its own)."""
+        folder = self.folder(run_id, attempt)
         self.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         pidfile = folder / f"member-{index}.pid"
         log = folder / f"member-{index}.log"
         if pidfile.exists():  # started before: never start it twice
-            return Member(index=index, log=str(log), **json.loads(pidfile.read_text()))
+            written = json.loads(pidfile.read_text())
+            identity = {"pid": written["pid"], "started": written["started"]}
+            return Member(index=index, log=str(log), **identity)
         password_file = folder / f"member-{index}.password"
-        if launch.credentials is not None:  # the job's etcd user, for this member only
-            write_password_file(password_file, launch.credentials.password)
+        if credentials is not None:  # the job's etcd user, for this member only
+            write_password_file(password_file, credentials.password)
+        command = member_command(command, credentials, password_file)
         with open(log, "ab") as output:
-            command = [sys.executable, "-m", "coordinator", "worker", *launch.worker_args]
-            if self.die_with_parent:
-                command = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
-            process = subprocess.Popen(
+            process = start_process(
                 command,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group, and no terminal signals
-                # Port 0: members on one host must not share the image's fixed port.
-                env={
-                    **os.environ,
-                    "PYTHONUNBUFFERED": "1",
-                    "COORDINATOR_PORT": "0",
-                    **member_environment(launch, password_file),
-                    **program_settings(launch.spec),
-                    **self.extra_env,
-                },
+                own_session=True,  # its own process group: it outlives us, signalled whole
+                die_with_parent=self.die_with_parent,
                 cwd=self.workdir,
+                # Port 0: members on one host must not share the image's fixed port.
+                extra_env={"COORDINATOR_PORT": "0", **self.extra_env},
             )
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
         partial = pidfile.with_suffix(".partial")
-        partial.write_text(json.dumps(identity))
+        partial.write_text(json.dumps({**identity, "gpus": list(command.gpus)}))
         partial.replace(pidfile)
         return Member(index=index, log=str(log), **identity)
 
