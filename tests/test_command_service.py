@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd
 from tests.conftest import wait_until
 from tests.test_agent import agents, registered  # noqa: F401 (the fixture)
+from tests.test_command_kind import gone
 from tests.test_service import ServiceProc, serve, wait_state  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.one_etcd
@@ -201,7 +201,8 @@ def test_a_killed_member_restarts_the_job_and_its_programs_are_all_gone(
     record = wait_state(service, "again", {"SUCCEEDED", "FAILED"}, timeout=90)
     assert record["state"] == "SUCCEEDED", record["conditions"]
     assert len(record["attempts"]) == 2 and "rank 1" in record["attempts"][0]["outcome"]
-    assert not any(psutil.pid_exists(pid) for pid in programs)  # reaped with their members
+    # Reaped with their members (the killed one's by its reaper, a moment after it died).
+    wait_until(lambda: gone(programs), 10, "the first attempt's programs to end")
 
 
 def test_coordinator_submit_takes_a_program_after_dashes_and_env_from_the_shell(
