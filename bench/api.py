@@ -21,7 +21,7 @@ as a subprocess (`--max-workers` = the run's N), `coordinator worker` processes.
    the runs. *Running* is what the service calls RUNNING: every member passed the
    `connect` phase. Service: from sending the POST to the first record (its SSE
    stream) whose N members all show a phase past `connect`. Baseline: `coordinator
-   run`'s own launcher (`coordinator.launchers.local.LocalLauncher`, the same worker
+   run`'s own launcher (`coordinator.launch.piped.LocalLauncher`, the same worker
    arguments), in this process, from starting it to the N-th member's `connect` event
    on its stdout: `coordinator run` without its interpreter's start-up, which the
    service, already running, does not pay either. Also the whole run: to SUCCEEDED
@@ -58,7 +58,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.launchers.local import LocalLauncher
+from coordinator.launch.piped import LocalLauncher
 
 console = Console(width=130)
 PAST_CONNECT = {"connect", "training", "cleaner", "done"}  # a member's phase once connected

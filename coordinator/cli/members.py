@@ -57,7 +57,7 @@ from coordinator.etcd.users import (
 from coordinator.events import Metrics, Output, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.launch import WorkerCommand
-from coordinator.launchers.local import LocalLauncher, LocalWorker
+from coordinator.launch.piped import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
 from coordinator.rendezvous.errors import MemberLost
 from coordinator.worker import EXIT_INTERRUPTED, WorkerOptions, run_worker

@@ -1,8 +1,10 @@
-"""Start a job's members as local processes and follow their progress.
+"""`coordinator run`'s launcher: a job's members as child processes whose progress it
+follows through pipes.
 
 The embedded default: no containers, no cluster, just `coordinator worker`
-processes on this machine. Each worker's JSON progress lines are read from its
-stdout; its stderr is kept for the report when it fails.
+processes on this machine (the service's local launcher keeps log files instead).
+Each worker's JSON progress lines are read from its stdout; its stderr is kept for
+the report when it fails.
 """
 
 from __future__ import annotations
