@@ -307,7 +307,11 @@ def test_render_does_not_change_what_load_returns() -> None:
         ({"job": ""}, "job", "job id '' must be"),
         ({"etcd": "nohost"}, "etcd", "'nohost' is not HOST:PORT"),
         ({"etcd": ","}, "etcd", "no etcd endpoint given"),
-        ({"kind": "nope"}, "kind", "kind 'nope' is not one of: mnist, noop, steps, xgboost"),
+        (
+            {"kind": "nope"},
+            "kind",
+            "kind 'nope' is not one of: command, mnist, noop, steps, xgboost",
+        ),
         ({"params": "a=1\nb=2"}, "params", "params must be one line"),
         ({"image": "bad image"}, "image", "image 'bad image'"),
     ],

@@ -828,3 +828,42 @@ def test_a_refused_secret_fails_the_start_naming_it_never_the_password(
     state.refuse_secrets = False  # the next tick tries again: Job found, Secret made
     launcher.start(launch(2), 0)
     assert len(state.secrets) == 1
+
+
+def test_a_command_job_runs_its_program_in_an_allowed_image_with_its_env_and_folder(
+    api: tuple[StandIn, k8s_client.ApiClient],
+) -> None:
+    from coordinator.service.images import ImagePolicy
+
+    launcher = kl.KubernetesLauncher(
+        IMAGE, NS, ETCD, api[1], images=ImagePolicy.of(IMAGE, ["trainers/*"])
+    )
+    try:
+        plain = launch(2)
+        command = plain.command.model_copy(
+            update={"kind": "command", "params": {}, "program": ("python", "train.py", "--lr=1")}
+        )
+        spec = JobSpec(
+            id=plain.spec.id, kind="command", workers=2, launcher="kubernetes",
+            command=["python", "train.py", "--lr=1"], image="trainers/ddp:3",
+            env={"WANDB_MODE": "offline"}, working_dir="/srv/train",
+        )  # fmt: skip
+        job = launcher.job(Launch(plain.run_id, 1, spec, command, CREDENTIALS))
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
+        pod = job["spec"]["template"]["spec"]
+        (worker,) = pod["containers"]
+        assert {c["image"] for c in [*pod.get("initContainers", []), worker]} == {"trainers/ddp:3"}
+        assert worker["args"][-4:] == ["--", "python", "train.py", "--lr=1"]
+        assert {"name": "WANDB_MODE", "value": "offline"} in worker["env"]
+        assert worker["workingDir"] == "/srv/train"
+        # A record naming an image the service does not allow (forged, or the list changed
+        # since) starts nothing: refused before the API is asked.
+        forged = spec.model_copy(update={"image": "evil/miner:1"})
+        with pytest.raises(ValueError, match="evil/miner:1"):
+            launcher.job(Launch(plain.run_id, 1, forged, command, CREDENTIALS))
+        # Other kinds keep the service's image and take none of these.
+        (other,) = launcher.job(plain)["spec"]["template"]["spec"]["containers"]
+        assert other["image"] == IMAGE and "workingDir" not in other
+    finally:
+        launcher.close()

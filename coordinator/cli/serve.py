@@ -115,7 +115,7 @@ def serve(
     allowed_image: Annotated[
         list[str] | None,
         typer.Option(
-            help="an image a `command` job may run in (docker launcher): a name, or a glob "
+            help="an image a `command` job may run in (docker, kubernetes): a name, or a glob "
             "such as trainer:* (repeatable) [only --docker-image]"
         ),
     ] = None,
@@ -184,12 +184,17 @@ def serve(
             check_reference(docker_image)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-image") from None
+    if allowed_image:
+        from coordinator.service.images import ImagePolicy
+
+        if not (docker_image or k8s_image):
+            raise typer.BadParameter(
+                "needs a container launcher: --docker-image or --k8s-image", "--allowed-image"
+            )
         try:
-            ImagePolicy.of(docker_image, allowed_image or ())
+            ImagePolicy.of(docker_image or k8s_image or "", allowed_image)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--allowed-image") from None
-    elif allowed_image:
-        raise typer.BadParameter("needs --docker-image (the docker launcher)", "--allowed-image")
     if k8s_image:
         try:
             import kubernetes  # noqa: F401 (only checked for)

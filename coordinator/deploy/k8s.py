@@ -25,7 +25,7 @@ import yaml
 
 from coordinator.etcd.client import parse_endpoints
 from coordinator.etcd.names import check_name
-from coordinator.jobs import JOB_KINDS
+from coordinator.jobs import MEMBER_KINDS
 
 #: The repository's `k8s/` folder: the repository root is the parent of `coordinator/`.
 MANIFEST_DIR = Path(__file__).resolve().parents[2] / "k8s"
@@ -231,8 +231,9 @@ def _check(
         raise InvalidValue("job", str(exc)) from None
     if not image or any(c.isspace() for c in image):
         raise InvalidValue("image", f"image {image!r} must be a non-empty image reference")
-    if kind not in JOB_KINDS:
-        raise InvalidValue("kind", f"kind {kind!r} is not one of: {', '.join(sorted(JOB_KINDS))}")
+    if kind not in MEMBER_KINDS:
+        known = ", ".join(sorted(MEMBER_KINDS))
+        raise InvalidValue("kind", f"kind {kind!r} is not one of: {known}")
     if "\n" in params or "\r" in params:
         raise InvalidValue("params", f"params must be one line (KEY=VALUE,...), not {params!r}")
     if etcd is None:

@@ -67,10 +67,10 @@ class Roots:
         )
 
 
-#: The launchers that can run a `command` job's program (kubernetes: not yet).
-COMMAND_LAUNCHERS = ("local", "agents", "docker")
+#: The launchers that can run a `command` job's program.
+COMMAND_LAUNCHERS = ("local", "agents", "docker", "kubernetes")
 #: Where a `command` job's members are containers: its folder is inside the image.
-CONTAINER_LAUNCHERS = ("docker",)
+CONTAINER_LAUNCHERS = ("docker", "kubernetes")
 COMMAND_FIELDS = ("command", "env", "working_dir", "image")
 #: The launchers that can give a member whole GPUs (and local, with `serve --gpus`).
 GPU_LAUNCHERS = ("agents", "kubernetes")
@@ -99,9 +99,9 @@ def admit_gpus(spec: JobSpec, local_gpus: int) -> None:
 def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None) -> JobSpec:
     """The spec with its working_dir made absolute under its root; Refused naming the field
     for a `command` job without a program, on a launcher that cannot run one, with a folder
-    outside the root, or another kind's spec that carries the command fields. On the
-    docker launcher (`images`: its policy) the folder is the container's, and the image
-    must be one the service allows."""
+    outside the root, or another kind's spec that carries the command fields. On a
+    container launcher (`images`: its policy) the folder is the container's, and the
+    image must be one the service allows."""
     if spec.kind != COMMAND:
         for name in COMMAND_FIELDS:
             if name in spec.model_fields_set and getattr(spec, name):
@@ -117,7 +117,11 @@ def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None
     if spec.launcher in CONTAINER_LAUNCHERS:
         return _admit_in_container(spec, images)
     if spec.image is not None:
-        raise Refused("image", "image: only the docker launcher runs a job in an image")
+        raise Refused(
+            "image",
+            f"image: only a container launcher ({', '.join(CONTAINER_LAUNCHERS)}) "
+            "runs a job in an image",
+        )
     if spec.working_dir is None:
         return spec
     try:

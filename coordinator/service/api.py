@@ -64,7 +64,8 @@ class ApiContext:
     tokens: Tokens | None = None  # None: no auth (--insecure only)
     default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
     roots: Roots | None = None  # where submitted paths may point (None: from the environment)
-    images: ImagePolicy | None = None  # the docker launcher's images (None: not enabled)
+    # The images each container launcher may run a `command` job in (none: not enabled).
+    images: dict[Launcher, ImagePolicy] = field(default_factory=dict)
     closers: list[Callable[[], None]] = field(default_factory=list)  # run when it stops
 
 
@@ -352,7 +353,7 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
         raise invalid(["gpus_per_worker" if spec.gpus_per_worker else "workers"], why)
     assert context.roots is not None
     try:
-        spec = admit_command(spec, context.roots, context.images)
+        spec = admit_command(spec, context.roots, context.images.get(spec.launcher))
     except Refused as exc:
         raise invalid(exc.field.split("."), str(exc)) from None
     try:

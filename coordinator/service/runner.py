@@ -53,7 +53,7 @@ class ServiceOptions:
     docker_memory: str = "2g"
     docker_pids_limit: int = 1024
     docker_artifacts: str = "etcd-coordinator-artifacts"
-    # The images a `command` job may run in (patterns; empty: only docker_image).
+    # The images a `command` job may run in (patterns; empty: only the launcher's own image).
     allowed_images: tuple[str, ...] = ()
     # The kubernetes launcher, enabled by an image: its namespace (None: the pod's own,
     # else the kubeconfig's) and etcd as pods see it (None: --etcd).
@@ -75,11 +75,11 @@ class Service:
             Launcher.LOCAL: LocalLauncher(options.data_dir / "logs", gpus=options.gpus),
             Launcher.AGENTS: AgentsLauncher(self.etcd),
         }
-        images = None
+        images: dict[Launcher, ImagePolicy] = {}
         if options.docker_image:
             from coordinator.service.launchers.docker import DockerLauncher
 
-            images = ImagePolicy.of(options.docker_image, options.allowed_images)
+            images[Launcher.DOCKER] = ImagePolicy.of(options.docker_image, options.allowed_images)
             self.launchers[Launcher.DOCKER] = DockerLauncher(
                 options.docker_image,
                 options.docker_network,
@@ -89,7 +89,7 @@ class Service:
                 pids_limit=options.docker_pids_limit,
                 artifacts=options.docker_artifacts,
                 secrets_dir=options.data_dir / "docker-secrets",  # the members' passwords
-                images=images,
+                images=images[Launcher.DOCKER],
             )
         if options.k8s_image:
             from coordinator.service.launchers.kubernetes import (
@@ -97,12 +97,14 @@ class Service:
                 current_namespace,
             )
 
+            images[Launcher.KUBERNETES] = ImagePolicy.of(options.k8s_image, options.allowed_images)
             try:
                 self.launchers[Launcher.KUBERNETES] = KubernetesLauncher(
                     options.k8s_image,
                     options.k8s_namespace or current_namespace(),
                     options.k8s_etcd or options.etcd,
                     grace_seconds=round(options.grace),
+                    images=images[Launcher.KUBERNETES],
                 )
             except (ValueError, RuntimeError) as exc:  # a loopback etcd, no cluster config
                 raise LauncherUnavailable(f"the kubernetes launcher: {exc}") from None

@@ -9,7 +9,9 @@ for (409 AlreadyExists: another replica or a predecessor created it, which is as
 good) and returns `Member(container="<namespace>/<job name>/<index>")`, which finds
 the pod again from any replica. The pods run `coordinator worker <command.argv()>` (the
 image's entrypoint is `coordinator`), with the etcd endpoints replaced by those the
-pods reach (`etcd`, e.g. `etcd:2379`).
+pods reach (`etcd`, e.g. `etcd:2379`). A `command` job's pods run its own image (one the
+service allows: `serve --allowed-image`), its `env` in the worker container's
+environment and its `working_dir` as the container's folder.
 
 The job's etcd user (`Launch.credentials`) reaches its pods through a Secret
 `<job name>-etcd` (keys `user`, `password`) that `start` creates right after the Job,
@@ -48,7 +50,9 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from coordinator.deploy import k8s
 from coordinator.etcd.client import parse_endpoints
+from coordinator.jobs import COMMAND
 from coordinator.rendezvous.address import endpoint_host, is_loopback
+from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation
 from coordinator.service.model import Member
 
@@ -172,6 +176,7 @@ class KubernetesLauncher:
         grace_seconds: int = 10,
         request_timeout: float = 30.0,
         watch_seconds: int = 240,
+        images: ImagePolicy | None = None,
     ) -> None:
         """Members in Kubernetes namespace `namespace`, from `image`, reaching etcd at
         `etcd` (as pods see it, e.g. `etcd:2379`).
@@ -180,11 +185,13 @@ class KubernetesLauncher:
         else the kubeconfig (KUBECONFIG or ~/.kube/config). `manifests`: the folder of
         the Job template (`job.yaml`), else $COORDINATOR_MANIFESTS, else the
         repository's `k8s/`. `grace_seconds`: the pods' grace from SIGTERM to SIGKILL
-        (the service's `--grace`). Bad values and a missing template raise here, so
+        (the service's `--grace`). `images`: those a `command` job may run in (default:
+        only `image`). Bad values and a missing template raise here, so
         the service refuses to start instead of failing every job; nothing connects
         until the first job.
         """
         self.image, self.namespace = image, namespace
+        self.images = images if images is not None else ImagePolicy.of(image)
         self.etcd = _pod_endpoints(etcd)
         self.grace_seconds = grace_seconds
         self.request_timeout = request_timeout
@@ -212,10 +219,13 @@ class KubernetesLauncher:
         command = launch.command.with_etcd(self.etcd)
         args = ["worker", *command.argv()]
         spec = launch.spec
+        # A `command` job's own image, if allowed (checked at submit; again here, as the
+        # record came from etcd): ValueError naming it, before the API is asked anything.
+        image = self.images.check(spec.image) if spec.kind == COMMAND else self.image
         body = k8s.worker_job(
             spec.workers,
             command.job_id,
-            self.image,
+            image,
             self.etcd,
             command.namespace or k8s.DEFAULT_NAMESPACE,
             command.kind or spec.kind,
@@ -233,11 +243,21 @@ class KubernetesLauncher:
             credentials=launch.credentials is not None,
         )
         body["metadata"]["namespace"] = self.namespace
+        pod = body["spec"]["template"]["spec"]
+        (worker,) = (c for c in pod["containers"] if c["name"] == WORKER_CONTAINER)
         if spec.gpus_per_worker > 0:  # whole GPUs per pod, from the device plugin
-            pod = body["spec"]["template"]["spec"]
-            (worker,) = (c for c in pod["containers"] if c["name"] == WORKER_CONTAINER)
             limits = worker.setdefault("resources", {}).setdefault("limits", {})
             limits[GPU_RESOURCE] = spec.gpus_per_worker
+        if spec.kind == COMMAND:  # the program's variables and folder, inside the image
+            # (its name checked at submit: never one the member sets itself)
+            taken = {var["name"] for var in worker.get("env", [])}
+            worker.setdefault("env", []).extend(
+                {"name": name, "value": value}
+                for name, value in sorted(spec.env.items())
+                if name not in taken
+            )
+            if spec.working_dir:
+                worker["workingDir"] = spec.working_dir
         return body
 
     def reserve(self, launch: Launch) -> Reservation:
