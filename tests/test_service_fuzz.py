@@ -237,6 +237,7 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
         with_ids("GET /v1/jobs/{job_id}/logs", finished, 80)
         # The dashboard's own endpoints (`/live` streams end at once for a final job).
         random_data("GET /v1/whoami", 20, 0)
+        random_data("GET /v1/kinds", 10, 0)
         random_data("GET /v1/jobs/{job_id}/series", 30, 0)
         with_ids("GET /v1/jobs/{job_id}/series", finished, 30)
         random_data("GET /v1/jobs/{job_id}/live", 30, 0)

@@ -274,7 +274,10 @@ class DockerLauncher:
         path = self.password_path(launch.run_id)
         _write_private(path, launch.credentials.password, MEMBER_UID)
         files[str(path)] = {"bind": MEMBER_PASSWORD_FILE, "mode": "ro"}
-        return member_command(launch.command, launch.credentials, MEMBER_PASSWORD_FILE).env()
+        # Only the etcd user's variables: the program's env and folder are the container's
+        # own (see `_program_settings`), so the member must not look for them on its host.
+        in_container = launch.command.model_copy(update={"program_env": {}, "working_dir": None})
+        return member_command(in_container, launch.credentials, MEMBER_PASSWORD_FILE).env()
 
     def password_path(self, run_id: str) -> Path:
         """Where the members of submission `run_id` get their etcd password from."""
