@@ -116,3 +116,107 @@ def test_a_user_loop_keeps_the_methods_bound_with_a_straggler(
         assert widest >= 4
     elif not sampled:
         assert method.get("staleness", 0) <= widest <= bound  # reaching the bound, held to it
+
+
+def by_rank(procs: list[Proc]) -> dict[int, Proc]:
+    return {p.wait_event(lambda e: e.get("phase") == "connect", 60)["rank"]: p for p in procs}
+
+
+def errors_after_kill(record: Path, victim: Proc, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    """Kill `victim` (SIGKILL: its lease ends within the TTL); the others' recorded errors."""
+    killed = time.time()
+    victim.kill()
+    wait_until(lambda: all((record / f"error{r}.json").exists() for r in ranks), 30, "errors")
+    errors = {r: json.loads((record / f"error{r}.json").read_text()) for r in ranks}
+    for error in errors.values():
+        assert error["at"] - killed <= TTL + 2.0, error
+    return errors
+
+
+def test_a_killed_peer_makes_wait_raise_member_lost_within_ttl(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    program = steps_program(tmp_path, method="ssp", staleness=1, num_steps=2000, step_seconds=0.02)
+    members = by_rank(start_members(etcd_server, etcd, spawn, "lost", 3, program))
+    clocks = [tmp_path / f"clock{r}" for r in range(3)]
+    wait_until(lambda: all(c.exists() and int(c.read_text()) >= 2 for c in clocks), 30, "steps")
+    errors = errors_after_kill(tmp_path, members[2], [0, 1])
+    assert all(e["error"] == "MemberLost" and e["rank"] == 2 for e in errors.values()), errors
+    for rank in (0, 1):
+        assert members[rank].wait_exit(timeout=30) != 0
+
+
+def test_with_on_loss_continue_the_others_carry_on_without_a_killed_peer(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    program = steps_program(
+        tmp_path, method="bsp", on_loss="continue", num_steps=60, step_seconds=0.03
+    )
+    procs = start_members(etcd_server, etcd, spawn, "carry", 3, program, "on_loss=continue")
+    members = by_rank(procs)
+    clocks = [tmp_path / f"clock{r}" for r in range(3)]
+    wait_until(lambda: all(c.exists() and int(c.read_text()) >= 2 for c in clocks), 30, "steps")
+    members[2].kill()
+    for rank in (0, 1):
+        assert members[rank].wait_exit(timeout=60) == 0, members[rank].stderr[-5:]
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["rows"]) == 60 and result["lost"] == [2]
+
+
+def test_a_named_barrier_holds_every_program_and_a_lost_peer_fails_it(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    program = [sys.executable, str(PROGRAMS / "ctx_barrier.py"), str(tmp_path)]
+    members = by_rank(start_members(etcd_server, etcd, spawn, "named", 3, program))
+    passed = [tmp_path / f"passed{r}" for r in range(3)]
+    wait_until(lambda: all(p.exists() for p in passed), 30, "barrier one")
+    # Ranks 0 and 1 wait at `two`, which rank 2 never reaches: they are held there.
+    time.sleep(0.5)  # a window in which a broken barrier would let them through
+    assert not any((tmp_path / f"error{r}.json").exists() for r in (0, 1))
+    assert all(members[r].process.poll() is None for r in (0, 1))
+    errors = errors_after_kill(tmp_path, members[2], [0, 1])
+    assert all(e["error"] == "MemberLost" and e["rank"] == 2 for e in errors.values()), errors
+
+
+def test_a_named_barrier_passes_when_all_arrive(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    program = [sys.executable, str(PROGRAMS / "ctx_barrier.py"), str(tmp_path), "end"]
+    procs = start_members(etcd_server, etcd, spawn, "all", 2, program)
+    for proc in procs:
+        assert proc.wait_exit(timeout=60) == 0, proc.stderr[-5:]
+    times = [float((tmp_path / f"passed{r}").read_text()) for r in range(2)]
+    assert len(times) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"method": "xsp"}, "method"),
+        ({"method": "ssp", "staleness": -1}, "staleness"),
+        ({"method": "pbsp", "sample": 3}, "sample"),
+        ({"method": "bsp", "on_loss": "maybe"}, "on_loss"),
+        ({"method": "ssp"}, "staleness"),
+    ],
+)
+def test_bad_step_arguments_are_named_before_any_etcd_write(
+    kwargs: dict[str, Any], named: str
+) -> None:
+    args = {"staleness": 0, "sample": 0, "staleness_upper": 0, "on_loss": "fail", **kwargs}
+    with pytest.raises(ValueError, match=named):
+        check_steps(args["method"], args["staleness"], args["sample"],
+                    args["staleness_upper"], args["on_loss"], 3)  # fmt: skip
+    with pytest.raises(ValueError, match="num_steps"):
+        check_stop(-1, None, 0)
+
+
+def test_context_outside_a_job_says_how_to_run_the_program(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
+    code = "import coordinator; coordinator.context()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "NotInJob" in done.stderr and "coordinator run --workers N" in done.stderr
+    with pytest.raises(NotInJob, match="COORDINATOR_LEASE"):
+        Context({**env, "COORDINATOR_JOB": "x"})
