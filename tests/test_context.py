@@ -24,7 +24,8 @@ from coordinator.context import Context, NotInJob, check_steps, check_stop
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from tests.conftest import Proc, wait_until
-from tests.test_command_kind import PROGRAMS, TTL, command_worker
+from tests.test_command_kind import PROGRAMS, TTL, Run, command_worker, rank_results
+from tests.test_command_kind import launch  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).parent.parent
 STRAGGLER_FACTOR = 3
@@ -220,3 +221,33 @@ def test_context_outside_a_job_says_how_to_run_the_program(tmp_path: Path) -> No
     assert "NotInJob" in done.stderr and "coordinator run --workers N" in done.stderr
     with pytest.raises(NotInJob, match="COORDINATOR_LEASE"):
         Context({**env, "COORDINATOR_JOB": "x"})
+
+
+def test_the_ssp_loop_example_trains_and_reports_its_loss(
+    etcd_server: EmbeddedEtcd,
+    etcd: Etcd,
+    launch: Callable[..., Run],  # noqa: F811
+) -> None:
+    run = launch(
+        ["run", "--workers", "3", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
+         "--job", "ssp-loop", "--", "python", "examples/ssp_loop.py"]
+    )  # fmt: skip
+    assert run.wait(120) == 0, run.stderr[-10:]
+    results = rank_results(run.stdout)
+    assert sorted(results) == [0, 1, 2]
+    assert all(r["loss"] < 0.5 for r in results.values()), results
+    reports = [json.loads(line.split("] ", 1)[-1]) for line in run.stdout if '"report"' in line]
+    assert reports and all("loss" in r["metrics"] for r in reports)
+    assert len(reports) < 3 * 40  # coalesced: at most one line per 0.2 s, plus the last
+
+
+def test_reports_of_any_metric_name_make_the_learning_curve() -> None:
+    from coordinator.events import Report
+    from coordinator.service.series import collect
+
+    events = [Report(rank=0, step=s, metrics={"perplexity": 10.0 / s}) for s in (1, 2)]
+    series = collect([*events, Report(rank=1, step=1, metrics={"perplexity": 1.0})], {})
+    assert [(p.x, p.metrics) for p in series.curve] == [
+        (1, {"perplexity": 10.0}),
+        (2, {"perplexity": 5.0}),
+    ]

@@ -420,6 +420,11 @@ class JobView {
     } else if (event.event === "metrics") {
       this.curve.push({ t: event.t, x: event.n, metrics: { accuracy: event.accuracy, loss: event.loss } });
       this.curveKind = { x: "evaluation", t: "since start" };
+    } else if (event.event === "report" && event.metrics && (event.rank ?? 0) === 0
+               && Object.keys(event.metrics).length > 0) {
+      // A program's own metrics (ctx.report), whatever their names.
+      this.curve.push({ t: event.t, x: event.step ?? this.curve.length, metrics: event.metrics });
+      this.curveKind = { x: "step", t: "unix" };
     } else if (event.event === "step") {
       (this.logged[event.rank] ||= []).push([event.t, event.clock]);
     } else if (event.event === "done") {
