@@ -24,8 +24,14 @@ from coordinator.context import Context, NotInJob, check_steps, check_stop
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from tests.conftest import Proc, wait_until
-from tests.test_command_kind import PROGRAMS, TTL, Run, command_worker, rank_results
-from tests.test_command_kind import launch  # noqa: F401  (the fixture)
+from tests.test_command_kind import (
+    PROGRAMS,
+    TTL,
+    Run,
+    command_worker,
+    launch,  # noqa: F401  (the fixture)
+    rank_results,
+)
 
 ROOT = Path(__file__).parent.parent
 STRAGGLER_FACTOR = 3
