@@ -32,6 +32,7 @@ from tests.test_command_kind import (
     launch,  # noqa: F401  (the fixture)
     rank_results,
 )
+from tests.test_service import ServiceProc, serve, wait_state  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).parent.parent
 STRAGGLER_FACTOR = 3
@@ -257,3 +258,35 @@ def test_reports_of_any_metric_name_make_the_learning_curve() -> None:
         (1, {"perplexity": 10.0}),
         (2, {"perplexity": 5.0}),
     ]
+
+
+REPORTER = """
+import coordinator
+ctx = coordinator.context()
+for step in range(1, 6):
+    ctx.report(step=step, total=5, loss=1.0 / step, accuracy=0.5 + step / 20, my_metric=step)
+ctx.flush()
+"""
+
+
+def test_reports_reach_the_jobs_progress_and_series_through_the_service(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    """`ctx.report` from a command job's program, through a real `coordinator serve`: the
+    last report is the job's progress, and rank 0's reports (any names) are its curve."""
+    service = serve()
+    spec = {"id": "reporter", "kind": "command", "workers": 2,
+            "command": [sys.executable, "-c", REPORTER]}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    record = wait_state(service, "reporter", {"SUCCEEDED", "FAILED"})
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    progress = record["progress"]
+    assert (progress["step"], progress["total"]) == (5, 5), progress
+    assert progress["metrics"] == {"loss": 0.2, "accuracy": 0.75, "my_metric": 5.0}, progress
+
+    series = service.http.get("/v1/jobs/reporter/series").json()
+    assert series["curve_x"] == "step"
+    last = series["curve"][-1]
+    assert last["x"] == 5 and last["metrics"] == progress["metrics"], series["curve"]
+    assert [p["x"] for p in series["curve"]] == sorted(p["x"] for p in series["curve"])
+    assert series["curve"][0]["x"] == 1  # the first report is printed at once
