@@ -462,7 +462,8 @@ def test_a_command_jobs_reported_metrics_make_its_learning_curve(
     expect(chart).to_have_attribute("data-points", "16")  # 8 steps x 2 metrics
     expect(chart.locator("text.legend")).to_have_text(["perplexity", "reward"])
     expect(chart).to_contain_text("step")  # the x axis' label
-    expect(page.page.locator("#curve-latest")).to_have_text("latest: perplexity 5.000, reward 1.000")
+    latest = page.page.locator("#curve-latest")
+    expect(latest).to_have_text("latest: perplexity 5.000, reward 1.000")
     expect(page.page.locator("select#curve-axis option").first).to_have_text("by step")
     expect(page.page.locator('[data-shows="clocks"]:visible')).to_have_count(0)  # no clocks
     page.assert_clean()
