@@ -9,7 +9,8 @@ and offers what the built-in jobs use:
 - `steps(method, ...)`: a step barrier (BSP, SSP, ASP, pBSP, pSSP, DSSP) with
   the built-in jobs' decision code (`LiveBarrier`);
 - `report(step=..., **metrics)`: progress for the service and the dashboard;
-- `checkpoint_dir()` and `attempt`, for a restarted attempt to resume.
+- `checkpoint_dir()` and `attempt`, for a restarted attempt to resume;
+- `xgboost()`: XGBoost's collective, the tracker on rank 0 (`xgboost_collective`).
 
 It connects to etcd (with the member's own etcd user, from the environment)
 only when a call needs it, so a program that only reports needs no etcd.
@@ -23,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +225,16 @@ class Context:
         self._steps_made += 1
         root = f"{self.member.keys.job}program/steps/{self._steps_made}/"
         return Steps(self.member, spec, loss, target, start, seed, timeout, root)
+
+    # -- XGBoost ------------------------------------------------------------
+
+    def xgboost(self, timeout: int = 300) -> AbstractContextManager[None]:
+        """`with ctx.xgboost(): xgboost.train(...)`: the body runs in XGBoost's collective,
+        rank 0 running the tracker on MASTER_PORT. A lost peer ends it with `MemberLost`
+        (see `coordinator.xgboost_collective`); `timeout`: XGBoost's, in seconds."""
+        from coordinator.xgboost_collective import collective
+
+        return collective(self, timeout)
 
     # -- reports ------------------------------------------------------------
 

@@ -290,3 +290,21 @@ def test_reports_reach_the_jobs_progress_and_series_through_the_service(
     assert last["x"] == 5 and last["metrics"] == progress["metrics"], series["curve"]
     assert [p["x"] for p in series["curve"]] == sorted(p["x"] for p in series["curve"])
     assert series["curve"][0]["x"] == 1  # the first report is printed at once
+
+
+def test_a_killed_peer_ends_the_xgboost_collective_with_member_lost_within_ttl(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    """`with ctx.xgboost(): xgboost.train(...)` on 3 members; rank 2's member is killed
+    mid-training: the others' collective ends with `MemberLost` naming rank 2 (and
+    XGBoost's own message) within TTL + 2 s, and their members fail."""
+    program = [sys.executable, str(PROGRAMS / "ctx_xgboost.py"), str(tmp_path)]
+    members = by_rank(start_members(etcd_server, etcd, spawn, "xgblost", 3, program))
+    rounds = [tmp_path / f"round{r}" for r in range(3)]
+    wait_until(lambda: all(r.exists() and int(r.read_text()) >= 3 for r in rounds), 60, "rounds")
+    errors = errors_after_kill(tmp_path, members[2], [0, 1])
+    for error in errors.values():
+        assert error["error"] == "MemberLost" and error["rank"] == 2, errors
+        assert "XGBoost:" in error["message"], errors
+    for rank in (0, 1):
+        assert members[rank].wait_exit(timeout=30) != 0
