@@ -433,6 +433,42 @@ def test_a_command_job_shows_its_members_and_their_logs(
     page.assert_clean()
 
 
+REPORTER = """
+import coordinator
+ctx = coordinator.context()
+for step in range(1, 9):
+    ctx.report(step=step, total=8, perplexity=40.0 / step, reward=step / 8)
+    ctx.flush()  # every step its own point
+"""
+
+
+def test_a_command_jobs_reported_metrics_make_its_learning_curve(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+    pages: Callable[..., Watched],
+) -> None:
+    """Metrics a program reports (`ctx.report`, names of its own) are drawn as the job's
+    curve, titled as reported metrics, by step."""
+    service = serve()
+    spec = {"id": "dash-report", "kind": "command", "workers": 2,
+            "command": [sys.executable, "-c", REPORTER]}  # fmt: skip
+    response = service.http.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    page = signed_in(pages, service, "#/jobs/dash-report")
+    expect(page.page.locator("#job-state")).to_have_text("SUCCEEDED", timeout=90 * SECONDS)
+    card = page.page.locator('[data-shows="curve"]')
+    expect(card).to_be_visible()
+    expect(page.page.locator("#curve-title")).to_have_text("Reported metrics")
+    chart = page.page.locator("svg#chart-curve")
+    expect(chart).to_have_attribute("data-points", "16")  # 8 steps x 2 metrics
+    expect(chart.locator("text.legend")).to_have_text(["perplexity", "reward"])
+    expect(chart).to_contain_text("step")  # the x axis' label
+    latest = page.page.locator("#curve-latest")
+    expect(latest).to_have_text("latest: perplexity 5.000, reward 1.000")
+    expect(page.page.locator("select#curve-axis option").first).to_have_text("by step")
+    expect(page.page.locator('[data-shows="clocks"]:visible')).to_have_count(0)  # no clocks
+    page.assert_clean()
+
+
 # -- the simulator ------------------------------------------------------------------------------
 
 

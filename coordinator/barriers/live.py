@@ -218,7 +218,10 @@ class LiveBarrier:
         seed: int | None = None,
         timeout: float | None = None,
         participants: Iterable[int] | None = None,
+        root: str | None = None,
     ) -> None:
+        """`root`: where the keys go (default `<job>/steps/`; a program's own step barriers
+        each get one of their own)."""
         self.spec = spec.validate()
         self.member = member
         self.etcd = member.etcd
@@ -227,7 +230,7 @@ class LiveBarrier:
         self.rank: int = member.rank
         self.on_loss = on_loss
         self.timeout = member.timeout if timeout is None else timeout
-        self.root = member.keys.job + "steps/"
+        self.root = root or member.keys.job + "steps/"
         self.round_prefix = f"{self.root}{member.round}/"
         self.prefix = f"{self.round_prefix}clocks/"
         self.clock = start_clock

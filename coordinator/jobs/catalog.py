@@ -237,4 +237,11 @@ COMMAND = (
         type="path",
         description="artifacts root; the program gets <root>/<job> as $COORDINATOR_ARTIFACTS",
     ),
+    Param(
+        name="on_loss",
+        type="choice",
+        choices=("fail", "continue"),
+        default="fail",
+        description="continue: a lost member leaves the job and the other programs run on",
+    ),
 )

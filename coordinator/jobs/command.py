@@ -123,6 +123,12 @@ class CommandJob:
         #: How long stopping the program may take; the worker's watchdog waits this much more.
         self.stop_grace = float_param(JOB, params, "grace_seconds", DEFAULT_GRACE)
         self.artifacts_root = artifacts_dir(JOB, params)
+        on_loss = params.get("on_loss", "fail")
+        if on_loss not in ("fail", "continue"):
+            raise ValueError(f"{JOB} job: parameter on_loss={on_loss!r} is not fail or continue")
+        #: A lost member leaves the job instead of stopping every program (`on_loss=continue`,
+        #: for programs whose `ctx.steps(on_loss="continue")` carry on without it).
+        self.carry_on = on_loss == "continue"
         self.extra_env, self.working_dir = program_extras(os.environ)
         #: The `training` barrier waits for the slowest program, as torchrun does
         #: (a lost member still ends the wait at once).
@@ -180,7 +186,10 @@ class CommandJob:
             artifacts=artifacts,
             etcd_endpoints=",".join(member.etcd.endpoints),
             namespace=member.etcd.namespace,
+            lease=member.lease_id,
         )
+        if self.carry_on:  # from connect on: every member started its program
+            member.carry_on_without_lost()
         self._release_port()  # free when the program starts
         member.phase = "program"
         group = ProgramGroup(self.program, env, self.working_dir, rank=rank)

@@ -22,6 +22,7 @@ CONTRACT = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "COORDINATOR_JOB", "COORDINATOR_RANK", "COORDINATOR_WORLD_SIZE", "COORDINATOR_ROSTER",
     "COORDINATOR_ARTIFACTS", "COORDINATOR_ETCD", "COORDINATOR_NAMESPACE",
+    "COORDINATOR_ROUND", "COORDINATOR_LEASE",
 )  # fmt: skip
 
 
@@ -97,10 +98,14 @@ def program_environment(
     artifacts: Path,
     etcd_endpoints: str,
     namespace: str,
+    lease: int | None = None,
 ) -> dict[str, str]:
     """The member's environment with the contract's variables set (ours win over inherited
     ones of the same name). Only the etcd settings' names and file paths pass: there is
-    no password variable to pass (the password lives in the file the path names)."""
+    no password variable to pass (the password lives in the file the path names).
+
+    `lease` is the member's etcd lease (COORDINATOR_LEASE, hex): `coordinator.context()`
+    binds the program's barrier keys to it, so they live exactly as long as the member."""
     local_rank, local_world = local_ranks(roster, rank)
     env = {k: v for k, v in base.items() if k not in CONTRACT}
     env.update(
@@ -117,7 +122,10 @@ def program_environment(
         COORDINATOR_ARTIFACTS=str(artifacts),
         COORDINATOR_ETCD=etcd_endpoints,
         COORDINATOR_NAMESPACE=namespace,
+        COORDINATOR_ROUND=str(roster.round),
     )
+    if lease is not None:
+        env["COORDINATOR_LEASE"] = f"{lease:x}"
     for var in ETCD_SECURITY_ENV.values():
         if not env.get(var):
             env.pop(var, None)

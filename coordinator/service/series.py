@@ -25,7 +25,17 @@ from pydantic import BaseModel, Field
 
 from coordinator.barriers.live import Clock
 from coordinator.barriers.policy import Method
-from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round, Step, parse_events
+from coordinator.events import (
+    Done,
+    Failed,
+    MemberEvent,
+    Metrics,
+    Phase,
+    Report,
+    Round,
+    Step,
+    parse_events,
+)
 from coordinator.jobs.steps import parse_barrier
 
 # A trainer's published clock (barriers.live): `clocks/<rank>` (ASP, DSSP, sampled) or
@@ -63,6 +73,11 @@ def collect(events: Iterable[MemberEvent], params: dict[str, str]) -> Series:
             series.curve_x, series.curve_t = "evaluation", "since start"
             metrics = _numbers({"accuracy": event.accuracy, "loss": event.loss})
             series.curve.append(CurvePoint(t=event.t, x=event.n, metrics=metrics))
+        elif isinstance(event, Report) and event.metrics and event.rank in (0, None):
+            # A program's own metrics (`ctx.report`), any names: rank 0's make the curve.
+            series.curve_x, series.curve_t = "step", "unix"
+            x = event.step if event.step is not None else len(series.curve)
+            series.curve.append(CurvePoint(t=event.t, x=x, metrics=_numbers(event.metrics)))
         elif isinstance(event, Step):
             series.clocks.setdefault(event.rank, []).append((event.t, event.clock))
         if isinstance(event, Phase | Failed | Done):

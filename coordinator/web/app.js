@@ -420,6 +420,11 @@ class JobView {
     } else if (event.event === "metrics") {
       this.curve.push({ t: event.t, x: event.n, metrics: { accuracy: event.accuracy, loss: event.loss } });
       this.curveKind = { x: "evaluation", t: "since start" };
+    } else if (event.event === "report" && event.metrics && (event.rank ?? 0) === 0
+               && Object.keys(event.metrics).length > 0) {
+      // A program's own metrics (ctx.report), whatever their names.
+      this.curve.push({ t: event.t, x: event.step ?? this.curve.length, metrics: event.metrics });
+      this.curveKind = { x: "step", t: "unix" };
     } else if (event.event === "step") {
       (this.logged[event.rank] ||= []).push([event.t, event.clock]);
     } else if (event.event === "done") {
@@ -447,9 +452,12 @@ class JobView {
 
   drawCurve() {
     const names = [...new Set(this.curve.flatMap((p) => Object.keys(p.metrics)))];
+    // Any kind's program may report metrics (ctx.report): their curve shows once there are some.
+    if (names.length) document.querySelector('[data-shows="curve"]').hidden = false;
     const byRound = this.curveKind.x === "round";
+    const reported = this.curveKind.x === "step"; // a program's own metrics (ctx.report)
     const axis = document.getElementById("curve-axis");
-    axis.options[0].textContent = byRound ? "by round" : "by evaluation";
+    axis.options[0].textContent = byRound ? "by round" : reported ? "by step" : "by evaluation";
     const byTime = axis.value === "t";
     const start = this.curveKind.t === "unix" && this.curve.length ? Math.min(...this.curve.map((p) => p.t)) : 0;
     const series = names.map((name, i) => ({
@@ -458,10 +466,10 @@ class JobView {
       points: this.curve.filter((p) => name in p.metrics).map((p) => [byTime ? p.t - start : p.x, p.metrics[name]]),
     }));
     document.getElementById("curve-title").textContent = !series.length ? "Learning curve"
-      : byRound ? "Evaluation metrics" : "Test accuracy and loss";
+      : byRound ? "Evaluation metrics" : reported ? "Reported metrics" : "Test accuracy and loss";
     lineChart(document.getElementById("chart-curve"), {
       series,
-      xLabel: byTime ? "seconds since training began" : byRound ? "boosting round" : "evaluation",
+      xLabel: byTime ? "seconds since training began" : byRound ? "boosting round" : reported ? "step" : "evaluation",
       yLabel: "value",
       zero: true,
       integerX: !byTime,

@@ -1,0 +1,477 @@
+"""`coordinator.context()`: the job, seen from inside a member's program.
+
+A `command` job's program gets its place in the job from its environment (the
+contract in `coordinator.jobs.environment`). `context()` reads and checks it,
+and offers what the built-in jobs use:
+
+- `barrier(name)`: the members' named barrier (`Member.barrier`), failing with
+  `MemberLost` / `RendezvousTimeout`;
+- `steps(method, ...)`: a step barrier (BSP, SSP, ASP, pBSP, pSSP, DSSP) with
+  the built-in jobs' decision code (`LiveBarrier`);
+- `report(step=..., **metrics)`: progress for the service and the dashboard;
+- `checkpoint_dir()` and `attempt`, for a restarted attempt to resume;
+- `xgboost()`: XGBoost's collective, the tracker on rank 0 (`xgboost_collective`).
+
+It connects to etcd (with the member's own etcd user, from the environment)
+only when a call needs it, so a program that only reports needs no etcd.
+See docs/api.md for the guarantees of each call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from coordinator.barriers.live import LiveBarrier, OnLoss, Passage
+from coordinator.barriers.policy import BarrierSpec, Method
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.names import check_name
+from coordinator.events import Report, write_line
+from coordinator.rendezvous.attached import AttachedMember
+
+#: How often at most a `report` line is printed (the last one always is).
+REPORT_SECONDS = 0.2
+#: The variables `context()` needs; the member sets them all (environment.py).
+REQUIRED = (
+    "COORDINATOR_JOB", "COORDINATOR_RANK", "COORDINATOR_WORLD_SIZE", "COORDINATOR_ROSTER",
+    "COORDINATOR_ARTIFACTS", "COORDINATOR_ETCD", "COORDINATOR_NAMESPACE",
+    "COORDINATOR_ROUND", "COORDINATOR_LEASE",
+)  # fmt: skip
+HOW_TO_RUN = "coordinator run --workers N -- python prog.py"
+
+
+class NotInJob(RuntimeError):
+    """`context()` was called in a process that no member started."""
+
+
+class MasterAddress(BaseModel):
+    addr: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+
+
+class RosterMember(BaseModel):
+    rank: int = Field(ge=0)
+    address: str = Field(min_length=1, max_length=255)
+    endpoint_port: int = Field(ge=0, le=65535)
+    hostname: str = ""
+    pid: int = 0
+    reserved_ports: list[int] = Field(default_factory=list, max_length=64)
+
+
+class RosterFile(BaseModel):
+    """The roster file a member writes for its program (`environment.roster_document`)."""
+
+    job_id: str
+    round: int
+    world_size: int = Field(ge=1)
+    master: MasterAddress
+    members: list[RosterMember]
+
+    @model_validator(mode="after")
+    def _ranks_in_order(self) -> RosterFile:
+        if [m.rank for m in self.members] != list(range(self.world_size)):
+            raise ValueError(f"members must list ranks 0..{self.world_size - 1} in order")
+        return self
+
+
+def _read_environment(env: Mapping[str, str]) -> dict[str, Any]:
+    missing = [name for name in REQUIRED if not env.get(name)]
+    if missing:
+        raise NotInJob(
+            f"coordinator.context() works only in a program a job member started ("
+            f"{', '.join(missing)} not set); run it as `{HOW_TO_RUN}`"
+        )
+    try:
+        values = {
+            "job": check_name("job id", env["COORDINATOR_JOB"]),
+            "rank": int(env["COORDINATOR_RANK"]),
+            "world_size": int(env["COORDINATOR_WORLD_SIZE"]),
+            "round": int(env["COORDINATOR_ROUND"]),
+            "lease": int(env["COORDINATOR_LEASE"], 16),
+        }
+    except ValueError as exc:
+        raise NotInJob(
+            f"the job's environment is malformed ({exc}); run as `{HOW_TO_RUN}`"
+        ) from None
+    if not 0 <= values["rank"] < values["world_size"]:
+        raise NotInJob(f"COORDINATOR_RANK={values['rank']} is not below COORDINATOR_WORLD_SIZE")
+    return values
+
+
+def _read_roster(path: Path, job: str, world_size: int) -> RosterFile:
+    try:
+        roster = RosterFile.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise NotInJob(f"cannot read the roster file $COORDINATOR_ROSTER ({exc})") from None
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        )
+        raise NotInJob(f"the roster file {path} is malformed: {problems}") from None
+    if (roster.job_id, roster.world_size) != (job, world_size):
+        raise NotInJob(f"the roster file {path} is of another job or size")
+    return roster
+
+
+class Context:
+    """One program's place in its job; get it with `coordinator.context()`."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        values = _read_environment(env)
+        self.job: str = values["job"]
+        self.rank: int = values["rank"]
+        self.world_size: int = values["world_size"]
+        self.round: int = values["round"]
+        self._lease: int = values["lease"]
+        self.roster = _read_roster(Path(env["COORDINATOR_ROSTER"]), self.job, self.world_size)
+        self.artifacts = Path(env["COORDINATOR_ARTIFACTS"])
+        self._endpoints = env["COORDINATOR_ETCD"]
+        self._namespace = env["COORDINATOR_NAMESPACE"]
+        self._member: AttachedMember | None = None
+        self._etcd: Etcd | None = None
+        self._attempt: int | None = None
+        self._steps_made = 0
+        self._lock = threading.Lock()
+        self._reporter = _Reporter()
+
+    # -- etcd, when needed --------------------------------------------------
+
+    @property
+    def member(self) -> AttachedMember:
+        """The program's view of its member (internal: the barriers use it)."""
+        with self._lock:
+            if self._member is None:
+                self._etcd = Etcd(self._endpoints, namespace=self._namespace, probe=self._probe)
+                self._member = AttachedMember(
+                    self._etcd,
+                    self.job,
+                    self.world_size,
+                    rank=self.rank,
+                    round_=self.round,
+                    lease_id=self._lease,
+                ).attach()
+            return self._member
+
+    @property
+    def _probe(self) -> str:
+        return f"jobs/{self.job}/"
+
+    @property
+    def attempt(self) -> int:
+        """1 for the job's first rendezvous round, 2 after one restart, ... (from etcd:
+        every program of a round records the round, unleased, and counts those before)."""
+        if self._attempt is None:
+            etcd = self.member.etcd
+            rounds = etcd.key("jobs", self.job, "program", "rounds") + "/"
+            kv = etcd.get(f"{rounds}{self.round:020d}")
+            revision = kv.create_revision if kv else etcd.put(f"{rounds}{self.round:020d}", "")
+            if kv is None:  # two ranks may put it: the first creation counts
+                kv = etcd.get(f"{rounds}{self.round:020d}")
+                revision = kv.create_revision if kv else revision
+            self._attempt = etcd.count_prefix(rounds, max_create_revision=revision)
+        return self._attempt
+
+    def checkpoint_dir(self) -> Path:
+        """`<artifacts>/checkpoints` (0700): the job's folder that survives restarts."""
+        folder = self.artifacts / "checkpoints"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        return folder
+
+    # -- barriers -----------------------------------------------------------
+
+    def barrier(self, name: str, timeout: float | None = None) -> None:
+        """Wait until every member's program called `barrier(name)` as often as this one.
+
+        Raises `MemberLost` naming a peer lost meanwhile, `RendezvousTimeout` after
+        `timeout` seconds (default 300; `float("inf")`: none)."""
+        check_name("barrier name", name)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.member.barrier(name, timeout=timeout)
+
+    def steps(
+        self,
+        method: str,
+        *,
+        staleness: int = 0,
+        sample: int = 0,
+        staleness_upper: int = 0,
+        on_loss: str = "fail",
+        num_steps: int | None = None,
+        last_step: int | None = None,
+        start: int = 0,
+        seed: int | None = None,
+        timeout: float | None = None,
+    ) -> Steps:
+        """A step barrier pacing this program's loop (see `Steps`); arguments are checked
+        here, before anything is written to etcd."""
+        spec, loss = check_steps(
+            method, staleness, sample, staleness_upper, on_loss, self.world_size
+        )
+        target = check_stop(num_steps, last_step, start)
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self._steps_made += 1
+        root = f"{self.member.keys.job}program/steps/{self._steps_made}/"
+        return Steps(self.member, spec, loss, target, start, seed, timeout, root)
+
+    # -- XGBoost ------------------------------------------------------------
+
+    def xgboost(self, timeout: int = 300) -> AbstractContextManager[None]:
+        """`with ctx.xgboost(): xgboost.train(...)`: the body runs in XGBoost's collective,
+        rank 0 running the tracker on MASTER_PORT. A lost peer ends it with `MemberLost`
+        (see `coordinator.xgboost_collective`); `timeout`: XGBoost's, in seconds."""
+        from coordinator.xgboost_collective import collective
+
+        return collective(self, timeout)
+
+    # -- reports ------------------------------------------------------------
+
+    def report(
+        self,
+        step: int | None = None,
+        *,
+        total: int | None = None,
+        message: str | None = None,
+        **metrics: float,
+    ) -> None:
+        """Report progress: a `report` event on stdout, at most one every 0.2 s (the
+        latest wins; the last is printed at exit). Never blocks on etcd."""
+        try:
+            event = Report(
+                step=step,
+                total=total,
+                message=message,
+                metrics={name: float(value) for name, value in metrics.items()},
+            )
+        except (ValidationError, TypeError, ValueError) as exc:
+            raise ValueError(f"report: {exc}") from None
+        self._reporter.offer(event)
+
+    def flush(self) -> None:
+        """Print the report held back by coalescing now."""
+        self._reporter.flush()
+
+    def close(self) -> None:
+        self._reporter.flush()
+        with self._lock:
+            if self._member is not None:
+                self._member.close()
+                self._member = None
+            if self._etcd is not None:
+                self._etcd.close()
+                self._etcd = None
+
+
+def check_steps(
+    method: str, staleness: int, sample: int, staleness_upper: int, on_loss: str, world: int
+) -> tuple[BarrierSpec, OnLoss]:
+    """The barrier's spec, or a ValueError naming the bad argument."""
+    try:
+        chosen = Method(str(method).lower())
+    except ValueError:
+        raise ValueError(
+            f"method={method!r} is not one of {', '.join(m.value for m in Method)}"
+        ) from None
+    for name, value in (
+        ("staleness", staleness),
+        ("sample", sample),
+        ("staleness_upper", staleness_upper),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if sample > world - 1:
+        raise ValueError(
+            f"sample={sample} is larger than the {world - 1} other members of this job"
+        )
+    try:
+        spec = BarrierSpec(chosen, staleness, sample, staleness_upper).validate()
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        loss = OnLoss(on_loss)
+    except ValueError:
+        raise ValueError(f"on_loss={on_loss!r} is not fail or continue") from None
+    return spec, loss
+
+
+def check_stop(num_steps: int | None, last_step: int | None, start: int) -> int | None:
+    """The clock to stop at (None: until `finish()`), or a ValueError naming the argument."""
+    if num_steps is not None and last_step is not None:
+        raise ValueError("give at most one of num_steps and last_step")
+    for name, value in (("num_steps", num_steps), ("last_step", last_step), ("start", start)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if last_step is not None:
+        return last_step
+    return None if num_steps is None else start + num_steps
+
+
+class Steps:
+    """A step barrier for the caller's loop: `wait(c)` before a step, `done(c + 1)` after.
+
+    Iterating does both: `for clock in ctx.steps("ssp", staleness=2, num_steps=100):`
+    yields each clock (steps completed) the method lets this program start from.
+    Every program first passes a start barrier (on the first `wait`); a program
+    that reaches its target says so (`finish`), and no longer holds anyone back.
+    """
+
+    def __init__(
+        self,
+        member: AttachedMember,
+        spec: BarrierSpec,
+        on_loss: OnLoss,
+        target: int | None,
+        start: int,
+        seed: int | None,
+        timeout: float | None,
+        root: str,
+    ) -> None:
+        self.spec, self.target, self.on_loss = spec, target, on_loss
+        self._member = member
+        self._args = (spec, on_loss, start, seed, timeout, root)
+        self._barrier: LiveBarrier | None = None
+        self._clock = start
+        self._finished = False
+
+    @property
+    def clock(self) -> int:
+        """Steps completed (as published)."""
+        return self._clock
+
+    @property
+    def lost(self) -> list[int]:
+        """Ranks lost and carried on without (`on_loss="continue"`)."""
+        return list(self._barrier.counters.lost) if self._barrier else []
+
+    def _started(self) -> LiveBarrier:
+        if self._barrier is None:
+            spec, on_loss, start, seed, timeout, root = self._args
+            if on_loss == OnLoss.CONTINUE:
+                self._member.carry_on_without_lost()
+            self._barrier = LiveBarrier(
+                self._member,
+                spec,
+                on_loss=on_loss,
+                start_clock=start,
+                seed=seed,
+                timeout=timeout,
+                root=root,
+            )
+            self._barrier.start()
+        return self._barrier
+
+    def wait(self, clock: int) -> Passage:
+        """Block until the method lets this program start step `clock + 1`, having
+        completed `clock` steps. Raises `MemberLost` (a peer lost, `on_loss="fail"`),
+        `RendezvousTimeout`, or `SessionLost` (this program's member is gone).
+        Returns what the decision saw (informational: the clocks it relied on)."""
+        if clock != self._clock:
+            raise ValueError(f"wait({clock}): this program has completed {self._clock} steps")
+        if self._finished:
+            raise ValueError("these steps are finished")
+        return self._started().wait_turn()
+
+    def done(self, clock: int) -> None:
+        """Publish that `clock` steps are complete (one more than before); at the target,
+        also `finish()`."""
+        if clock != self._clock + 1:
+            raise ValueError(f"done({clock}): the next clock is {self._clock + 1}")
+        barrier = self._started()
+        barrier.complete()
+        self._clock = barrier.clock
+        if self.target is not None and self._clock >= self.target:
+            self.finish()
+
+    def finish(self) -> None:
+        """Say this program steps no more, so nobody waits for it."""
+        if self._finished:
+            return
+        self._finished = True
+        self._started().finish()
+
+    def close(self) -> None:
+        if self._barrier is not None:
+            self._barrier.close()
+
+    def __iter__(self) -> Iterator[int]:
+        if self.target is None:
+            raise ValueError("iterating needs num_steps or last_step")
+        try:
+            while self._clock < self.target:
+                clock = self._clock
+                self.wait(clock)
+                yield clock
+                self.done(clock + 1)
+            self.finish()
+        finally:
+            self.close()
+
+    def __enter__(self) -> Steps:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.finish()
+        self.close()
+
+
+class _Reporter:
+    """Coalesces reports: one line at once, then at most one per REPORT_SECONDS."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Report | None = None
+        self._last = 0.0
+        self._timer: threading.Timer | None = None
+        atexit.register(self.flush)
+
+    def offer(self, event: Report) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last >= REPORT_SECONDS and self._timer is None:
+                self._last = now
+                write_line(event.to_line())
+                return
+            self._pending = event
+            if self._timer is None:
+                delay = max(0.0, self._last + REPORT_SECONDS - now)
+                self._timer = threading.Timer(delay, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._pending is not None:
+                write_line(self._pending.to_line())
+                self._pending = None
+                self._last = time.monotonic()
+
+
+_context: Context | None = None
+_context_lock = threading.Lock()
+
+
+def context() -> Context:
+    """This program's `Context` (one per process), from its environment; `NotInJob`
+    (saying how to run the program under `coordinator run`) outside a job."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = Context()
+            atexit.register(_context.close)
+        return _context
