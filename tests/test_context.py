@@ -292,6 +292,7 @@ def test_reports_reach_the_jobs_progress_and_series_through_the_service(
     assert series["curve"][0]["x"] == 1  # the first report is printed at once
 
 
+@pytest.mark.slow  # ~35 s: three XGBoost trainings, one killed mid-way
 def test_a_killed_peer_ends_the_xgboost_collective_with_member_lost_within_ttl(
     etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
 ) -> None:

@@ -382,6 +382,7 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # a service and two member containers: about two minutes here
 def test_a_command_job_runs_in_containers_of_an_allowed_image_and_others_are_refused(
     podman_service: PodmanService, images: Images, cluster: Cluster, tmp_path: Path
 ) -> None:
