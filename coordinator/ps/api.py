@@ -273,15 +273,7 @@ class Trainer:
         if only is not None and index is not None:
             raise ValueError("only: a trainer talks to every server; only a reader may skip")
         linked = peers.servers if only is None else [peers.servers[i] for i in only]
-        self.links = ServerLinks(
-            self.flat,
-            linked,
-            job_id=peers.job_id,
-            round_=peers.round,
-            trainer=index,
-            timeout=timeout,
-            secret=peers.secret,
-        )
+        self.links = _connect(self.flat, linked, peers, index, timeout)
         #: Steps this trainer has pushed (from the servers' record after a resume).
         self.clock = min(self.links.clocks, default=0)
         self.staleness: dict[int, int] = {}  # staleness -> gradients the servers recorded
@@ -355,6 +347,31 @@ class Trainer:
             self.close()
         else:
             self.abort()
+
+
+def _connect(
+    flat: FlatModel, linked: list[ServerAddress], peers: Peers, index: int | None, timeout: float
+) -> ServerLinks:
+    """Links to `linked`, retrying a refused connection until `timeout`: in a program, a
+    server may start listening after its trainers start (nothing orders them)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.02
+    while True:
+        try:
+            return ServerLinks(
+                flat,
+                linked,
+                job_id=peers.job_id,
+                round_=peers.round,
+                trainer=index,
+                timeout=timeout,
+                secret=peers.secret,
+            )
+        except ConnectionRefusedError:
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)  # a retry's back-off, not synchronisation
+            pause = min(pause * 2, 0.5)
 
 
 def trainer(model: nn.Module, peers: Peers, *, index: int, timeout: float = 30.0) -> Trainer:
