@@ -104,7 +104,7 @@ def main() -> None:
             order = torch.randperm(len(y), generator=generator)
             rows = order[position * args.batch : (position + 1) * args.batch]
             began = time.perf_counter()
-            model.zero_grad(set_to_none=False)
+            client.zero_grad()
             loss = functional.cross_entropy(model(x[rows]), y[rows])
             loss.backward()
             if found.rank == args.straggler:

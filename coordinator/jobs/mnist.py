@@ -316,7 +316,13 @@ class MnistJob:
         x, y = torch.from_numpy(shard.x), torch.from_numpy(shard.y)
         rows = len(shard.y)
         try:
-            client = ps.trainer(model, self._peers(member), index=trainer, timeout=member.timeout)
+            client = ps.trainer(
+                model,
+                self._peers(member),
+                index=trainer,
+                timeout=member.timeout,
+                wait_for_servers=False,  # they serve from `on_roster`: a refusal is a loss
+            )
         except (OSError, ProtocolError) as exc:
             self._explain(member, exc)
         start, target = client.clock, options.target(trainer)
@@ -345,7 +351,7 @@ class MnistJob:
                     batch = batch_rows(
                         options.seed, trainer, rows, options.batch_size, barrier.clock
                     )
-                    model.zero_grad(set_to_none=False)
+                    client.zero_grad()
                     loss = functional.cross_entropy(model(x[batch]), y[batch])
                     loss.backward()
                     compute = time.perf_counter() - step_began

@@ -256,7 +256,7 @@ class Trainer:
     `model`'s parameters and gradients are moved into one flat buffer each: `pull`
     writes the servers' weights straight into the model, `push` sends the gradients
     autograd left in `.grad`. Keep using the same model object; do not replace a
-    parameter's `.grad` (zero it in place: `zero_grad(set_to_none=False)` or `step`).
+    parameter's `.grad` (zero it in place: `zero_grad()` here, or `step`).
     """
 
     def __init__(
@@ -267,13 +267,15 @@ class Trainer:
         index: int | None,
         timeout: float = 30.0,
         only: Sequence[int] | None = None,
+        wait_for_servers: bool = True,
     ) -> None:
         self.model = model
         self.flat = FlatModel.build(model, len(peers.servers))
         if only is not None and index is not None:
             raise ValueError("only: a trainer talks to every server; only a reader may skip")
         linked = peers.servers if only is None else [peers.servers[i] for i in only]
-        self.links = _connect(self.flat, linked, peers, index, timeout)
+        patience = timeout if wait_for_servers else 0.0
+        self.links = _connect(self.flat, linked, peers, index, timeout, patience)
         #: Steps this trainer has pushed (from the servers' record after a resume).
         self.clock = min(self.links.clocks, default=0)
         self.staleness: dict[int, int] = {}  # staleness -> gradients the servers recorded
@@ -317,10 +319,14 @@ class Trainer:
             self.staleness[value] = self.staleness.get(value, 0) + 1
         return recorded
 
+    def zero_grad(self) -> None:
+        """Zero every gradient in place, in one call on the flat buffer."""
+        self.flat.grads.zero_()
+
     def step(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> torch.Tensor:
         """Pull, zero the gradients, `loss_fn(model).backward()`, push; the loss."""
         self.pull()
-        self.flat.grads.zero_()
+        self.zero_grad()
         loss = loss_fn(self.model)
         loss.backward()
         self.push()
@@ -350,11 +356,16 @@ class Trainer:
 
 
 def _connect(
-    flat: FlatModel, linked: list[ServerAddress], peers: Peers, index: int | None, timeout: float
+    flat: FlatModel,
+    linked: list[ServerAddress],
+    peers: Peers,
+    index: int | None,
+    timeout: float,
+    patience: float,
 ) -> ServerLinks:
-    """Links to `linked`, retrying a refused connection until `timeout`: in a program, a
-    server may start listening after its trainers start (nothing orders them)."""
-    deadline = time.monotonic() + timeout
+    """Links to `linked`, retrying a refused connection for `patience` seconds: in a
+    program, a server may start listening after its trainers start (nothing orders them)."""
+    deadline = time.monotonic() + patience
     pause = 0.02
     while True:
         try:
@@ -374,9 +385,18 @@ def _connect(
             pause = min(pause * 2, 0.5)
 
 
-def trainer(model: nn.Module, peers: Peers, *, index: int, timeout: float = 30.0) -> Trainer:
-    """Trainer `index` (0-based among the trainers) of the job `peers` names."""
-    return Trainer(model, peers, index=index, timeout=timeout)
+def trainer(
+    model: nn.Module,
+    peers: Peers,
+    *,
+    index: int,
+    timeout: float = 30.0,
+    wait_for_servers: bool = True,
+) -> Trainer:
+    """Trainer `index` (0-based among the trainers) of the job `peers` names. A server
+    that refuses the connection is retried for `timeout` seconds (`wait_for_servers`:
+    off where the servers listen before trainers start, so a dead one fails at once)."""
+    return Trainer(model, peers, index=index, timeout=timeout, wait_for_servers=wait_for_servers)
 
 
 def reader(
@@ -384,7 +404,7 @@ def reader(
 ) -> Trainer:
     """Pull-only links (an evaluator): it may pull, never push; `only` these servers (a
     server reading the others takes its own share from memory: `Server.snapshot`)."""
-    return Trainer(model, peers, index=None, timeout=timeout, only=only)
+    return Trainer(model, peers, index=None, timeout=timeout, only=only, wait_for_servers=False)
 
 
 @dataclass(frozen=True)
