@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import statistics
 import sys
 import time
@@ -42,9 +43,8 @@ from coordinator.etcd.server import free_port
 from coordinator.jobs.mnist import batch_rows, steps_per_epoch
 from coordinator.ps.model import MnistNet
 
-console = Console()
+console = Console(width=120)
 TRAINERS = 2
-SECRET = os.urandom(32)
 LR, MOMENTUM = 0.02, 0.9
 
 
@@ -80,10 +80,12 @@ def _ddp_rank(rank: int, port: int, data: str, epochs: int, batch: int, out: Any
     dist.destroy_process_group()
 
 
-def _server(index: int, servers: int, aggregate: bool, data: str, ready: Any) -> None:
+def _server(
+    index: int, servers: int, aggregate: bool, data: str, secret: bytes, ready: Any
+) -> None:
     torch.set_num_threads(1)
     ids = [ps.ServerAddress(i, "127.0.0.1", 0, f"bench/{i}") for i in range(servers)]
-    peers = ps.Peers("bench", 0, ids, SECRET)
+    peers = ps.Peers("bench", 0, ids, secret)
     server = ps.serve(
         _model(data),
         index=index,
@@ -99,6 +101,10 @@ def _server(index: int, servers: int, aggregate: bool, data: str, ready: Any) ->
         server.wait(timeout=1800)
     finally:
         server.close()
+    # TODO: a spawned server child aborts at interpreter exit ("terminate called without
+    # an active exception", C++ teardown); under `coordinator run` it exits 0. Leave at once.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _trainer(index: int, peers: ps.Peers, data: str, epochs: int, batch: int, out: Any) -> None:
@@ -118,6 +124,19 @@ def _rate(results: list[tuple[float, float, int]]) -> float:
     began = min(r[0] for r in results)
     ended = max(r[1] for r in results)
     return sum(r[2] for r in results) / (ended - began)
+
+
+def _results(out: Any, processes: list[multiprocessing.process.BaseProcess]) -> list[Any]:
+    """One result per process; a process that exits without one fails the run."""
+    results: list[Any] = []
+    while len(results) < len(processes):
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p.name for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} failed (see its traceback above)") from None
+    return results
 
 
 def _run(processes: list[multiprocessing.process.BaseProcess]) -> None:
@@ -146,7 +165,7 @@ def ddp(context: Any, data: str, epochs: int, batch: int) -> float:
         for r in range(TRAINERS)
     ]
     _run(ranks)
-    results = [out.get(timeout=1800) for _ in ranks]
+    results = _results(out, ranks)
     _join(ranks)
     return _rate(results)
 
@@ -155,8 +174,11 @@ def parameter_server(
     context: Any, data: str, epochs: int, batch: int, servers: int, aggregate: bool
 ) -> float:
     ready, out = context.Queue(), context.Queue()
+    secret = os.urandom(32)  # the children get it as an argument, never in argv
     serving = [
-        context.Process(target=_server, args=(i, servers, aggregate, data, ready), name=f"ps{i}")
+        context.Process(
+            target=_server, args=(i, servers, aggregate, data, secret, ready), name=f"ps{i}"
+        )
         for i in range(servers)
     ]
     _run(serving)
@@ -165,7 +187,7 @@ def parameter_server(
         addresses = [
             ps.ServerAddress(i, "127.0.0.1", ports[i], f"bench/{i}") for i in range(servers)
         ]
-        peers = ps.Peers("bench", 0, addresses, SECRET)
+        peers = ps.Peers("bench", 0, addresses, secret)
         trainers = [
             context.Process(
                 target=_trainer, args=(t, peers, data, epochs, batch, out), name=f"trainer{t}"
@@ -173,7 +195,7 @@ def parameter_server(
             for t in range(TRAINERS)
         ]
         _run(trainers)
-        results = [out.get(timeout=1800) for _ in trainers]
+        results = _results(out, trainers)
         _join(trainers)
     finally:
         _join(serving)

@@ -193,11 +193,16 @@ class Server:
                 )  # fmt: skip
         partial.replace(path)
 
-    def close(self) -> None:
-        """Stop serving: waiting pulls and aggregate steps end; the endpoint closes."""
+    def close(self, grace: float = 5.0) -> None:
+        """Stop serving: waiting pulls and aggregate steps end; the endpoint closes, and
+        its connections' threads are given `grace` seconds to end (a process that exits
+        under a thread still in the handler can abort)."""
         self.core.close()
         if self.endpoint is not None:
             self.endpoint.close()
+            deadline = time.monotonic() + grace
+            while self.endpoint.active and time.monotonic() < deadline:
+                time.sleep(0.01)  # bounded poll: the endpoint signals no thread's end
 
 
 def serve(
