@@ -30,7 +30,6 @@ from the job's start, so a resumed trainer does only what is left.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import threading
@@ -58,10 +57,9 @@ from coordinator.events import Metrics, Step, emit
 from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
-from coordinator.ps.client import ServerAddress, ServerLinks
-from coordinator.ps.model import FlatModel, MnistNet, server_tensors
+from coordinator.ps import api as ps
+from coordinator.ps.model import MnistNet
 from coordinator.ps.optim import OptimizerSpec
-from coordinator.ps.server import ParameterServer
 from coordinator.ps.wire import ProtocolError
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout
 
@@ -241,7 +239,7 @@ class MnistJob:
     def __init__(self, params: dict[str, str], world_size: int) -> None:
         self.options = parse(params, world_size)
         self.world_size = world_size
-        self.server: ParameterServer | None = None
+        self.server: ps.Server | None = None
         self.shard: Images | None = None
         self.test: Images | None = None
         self._losses: dict[int, str] = {}  # rank -> reason, in the order etcd reported them
@@ -262,15 +260,15 @@ class MnistJob:
             member.carry_on_without_lost()
         if rank < options.servers:
             folder = options.artifacts / member.job_id
-            self.server = ParameterServer(
-                job_id=member.job_id,
-                round_=member.round,
+            self.server = ps.serve(
+                initial_model(options),
                 index=rank,
-                tensors=server_tensors(initial_model(options), options.servers, rank),
+                servers=options.servers,
                 trainers=options.trainers,
+                peers=self._peers(member),
                 optimizer=options.optimizer,
                 aggregate=options.aggregate,
-                checkpoint=folder / "checkpoint" / f"server-{rank}.pt",
+                checkpoint_dir=folder / "checkpoint",
                 checkpoint_every=options.checkpoint_every,
                 resume=options.resume,
                 max_updates=options.most_updates(),
@@ -288,8 +286,8 @@ class MnistJob:
         self._losses.setdefault(rank, reason)
         self._lost_event.set()
         if self.server is not None:
-            with self.server.changed:
-                self.server.changed.notify_all()
+            with self.server.core.changed:
+                self.server.core.changed.notify_all()
 
     # -- training ---------------------------------------------------------
 
@@ -298,12 +296,15 @@ class MnistJob:
             return self._serve(member, self.server)
         return self._train(member)
 
-    def _server_addresses(self, member: Member) -> list[ServerAddress]:
-        assert member.roster is not None
-        return [
-            ServerAddress(m.rank, m.host, m.port, m.member_id)
+    def _peers(self, member: Member) -> ps.Peers:
+        """The servers are the first `ps` members, at their roster endpoints."""
+        if member.roster is None:
+            raise RuntimeError("the member holds no roster")
+        servers = [
+            ps.ServerAddress(m.rank, m.host, m.port, m.member_id)
             for m in member.roster.members[: self.options.servers]
         ]
+        return ps.Peers(member.job_id, member.round, servers, member.roster.secret_bytes)
 
     def _train(self, member: Member) -> dict[str, object]:
         options, shard = self.options, self.shard
@@ -311,24 +312,20 @@ class MnistJob:
         rank = _rank(member)
         trainer = rank - options.servers
         torch.manual_seed(options.seed)
-        flat = FlatModel.build(
-            MnistNet(options.data.rows, options.data.cols, CLASSES), options.servers
-        )
+        model = MnistNet(options.data.rows, options.data.cols, CLASSES)
         x, y = torch.from_numpy(shard.x), torch.from_numpy(shard.y)
         rows = len(shard.y)
         try:
-            links = ServerLinks(
-                flat,
-                self._server_addresses(member),
-                job_id=member.job_id,
-                round_=member.round,
-                trainer=trainer,
+            client = ps.trainer(
+                model,
+                self._peers(member),
+                index=trainer,
                 timeout=member.timeout,
-                secret=_secret(member),
+                wait_for_servers=False,  # they serve from `on_roster`: a refusal is a loss
             )
         except (OSError, ProtocolError) as exc:
             self._explain(member, exc)
-        start, target = min(links.clocks), options.target(trainer)
+        start, target = client.clock, options.target(trainer)
         slow = options.straggler_factor - 1 if options.straggler_rank == rank else 0.0
         barrier = LiveBarrier(
             member,
@@ -338,7 +335,6 @@ class MnistJob:
             participants=self.trainer_ranks,
         )
         passages: list[list[Any]] = []
-        staleness: dict[int, int] = {}
         waited = computed = 0.0
         reported = 0.0
         try:
@@ -350,20 +346,20 @@ class MnistJob:
                 waited += passage.waited
                 passages.append([passage.clock, passage.slowest])
                 try:
-                    links.pull()
+                    client.pull()
                     step_began = time.perf_counter()
                     batch = batch_rows(
                         options.seed, trainer, rows, options.batch_size, barrier.clock
                     )
-                    flat.grads.zero_()
-                    loss = functional.cross_entropy(flat.model(x[batch]), y[batch])
+                    client.zero_grad()
+                    loss = functional.cross_entropy(model(x[batch]), y[batch])
                     loss.backward()
                     compute = time.perf_counter() - step_began
                     computed += compute
                     if slow:
                         time.sleep(compute * slow)  # the straggler: its compute, made longer
-                    for value in links.push(barrier.clock + 1):
-                        staleness[value] = staleness.get(value, 0) + 1
+                    client.clock = barrier.clock  # the barrier's clock is the step's truth
+                    client.push()
                 except (OSError, ProtocolError) as exc:
                     self._explain(member, exc)
                 barrier.complete()
@@ -371,14 +367,14 @@ class MnistJob:
                     reported = time.monotonic()
                     emit(Step(rank=rank, clock=barrier.clock, target=target, loss=loss.item()))
             try:
-                links.bye()
+                client.close()
             except (OSError, ProtocolError) as exc:
                 self._explain(member, exc)
             barrier.finish()
         finally:
             barrier.close()
-            links.close()
-        flat.check_grads_in_place()
+            client.abort()
+        client.flat.check_grads_in_place()
         member.barrier("mnist-done")
         return {
             "role": "trainer",
@@ -393,7 +389,7 @@ class MnistJob:
             "began": began,
             "ended": time.time(),
             "passages": passages,
-            "staleness": staleness,
+            "staleness": client.staleness,
             "lost": barrier.counters.lost,
             "shard": {"rows": [shard.rows.start, shard.rows.stop], "digest": shard.digest},
         }
@@ -417,7 +413,7 @@ class MnistJob:
 
     # -- the server's side ----------------------------------------------------
 
-    def _serve(self, member: Member, server: ParameterServer) -> dict[str, object]:
+    def _serve(self, member: Member, server: ps.Server) -> dict[str, object]:
         options = self.options
         rank = _rank(member)
         member.barrier("steps-start")  # the trainers' start barrier: everyone begins together
@@ -435,14 +431,14 @@ class MnistJob:
             server.close()
         server.save_checkpoint()
         folder = options.artifacts / member.job_id
-        self._write_staleness_log(folder / f"staleness-{rank}.csv", server)
+        server.write_staleness_log(folder / f"staleness-{rank}.csv", options.servers)
         histogram = server.staleness_histogram()
         record = {
             "server": rank,
             "version": server.version,
             "resumed_from": server.resumed_from,
             "staleness_histogram": histogram,
-            "clocks": {t: s.clock for t, s in server.trainers.items()},
+            "clocks": {t: s.clock for t, s in server.core.trainers.items()},
         }
         member.etcd.put(f"{member.keys.job}mnist/servers/{rank:06d}", json.dumps(record))
         member.barrier("mnist-done")
@@ -451,9 +447,10 @@ class MnistJob:
             result |= self._finish(member, evaluator, began, ended)
         return result
 
-    def _wait_for_trainers(self, member: Member, server: ParameterServer) -> None:
-        """Until every trainer said BYE (or was excused); act on a loss at once."""
-        options = self.options
+    def _wait_for_trainers(self, member: Member, public: ps.Server) -> None:
+        """Until every trainer said BYE (or was excused); act on a loss at once (the
+        member's view of losses: `ps.Server.wait` knows only connections)."""
+        options, server = self.options, public.core
         idle_since, version = time.monotonic(), -1
         with server.changed:
             while not server.done():
@@ -482,21 +479,6 @@ class MnistJob:
                     raise RendezvousTimeout("training", member.timeout, waiting)
                 server.changed.wait(min(remaining, member.ttl + 2.0))
 
-    def _write_staleness_log(self, path: Path, server: ParameterServer) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        with partial.open("w", newline="") as handle:
-            writer = csv.writer(handle)
-            writer.writerow(
-                ["trainer_rank", "clock", "computed_from", "applied_at", "staleness", "t"]
-            )
-            for row in server.log:
-                writer.writerow(
-                    [row.trainer + self.options.servers, row.clock, row.computed_from,
-                     row.applied_at, row.staleness, f"{row.t:.6f}"]
-                )  # fmt: skip
-        partial.replace(path)
-
     def _finish(
         self, member: Member, evaluator: Evaluator, began: float, ended: float
     ) -> dict[str, object]:
@@ -517,13 +499,13 @@ class MnistJob:
         starts = {r["server"]: r["resumed_from"] for r in records}
         assert self.server is not None
         samples = sum(
-            self._samples(t, clock) - self._samples(t, self.server.start_clocks[t])
+            self._samples(t, clock) - self._samples(t, self.server.core.start_clocks[t])
             for t, clock in ((rank - options.servers, c) for rank, c in clocks.items())
         )
         final = evaluator.final
         path = folder / "model.pt"
         partial = folder / ".model.pt.partial"
-        torch.save(evaluator.flat.model.state_dict(), partial)
+        torch.save(evaluator.model.state_dict(), partial)
         partial.replace(path)  # never a half-written model under the final name
         seconds = max(ended - began, 1e-9)
         summary = {
@@ -575,25 +557,15 @@ class Evaluator:
     """Server 0's view of the whole model: every `eval_seconds` it reads every server's
     share (its own from memory, the others' as a reader) and scores the test set."""
 
-    def __init__(
-        self, job: MnistJob, member: Member, server: ParameterServer, began: float
-    ) -> None:
+    def __init__(self, job: MnistJob, member: Member, server: ps.Server, began: float) -> None:
         options = job.options
         self.job, self.member, self.server, self.began = job, member, server, began
-        self.flat = FlatModel.build(
-            MnistNet(options.data.rows, options.data.cols, CLASSES), options.servers
-        )
-        self.links: ServerLinks | None = None
-        if options.servers > 1:
-            self.links = ServerLinks(
-                self.flat,
-                job._server_addresses(member)[1:],
-                job_id=member.job_id,
-                round_=member.round,
-                trainer=None,
-                timeout=member.timeout,
-                secret=_secret(member),
-            )
+        self.model = MnistNet(options.data.rows, options.data.cols, CLASSES)
+        # Its own share from memory; the other servers' through a reader.
+        others = range(1, options.servers)
+        self.reader = ps.reader(self.model, job._peers(member), timeout=member.timeout, only=others)
+        self.flat = self.reader.flat
+        self.links: ps.Trainer | None = self.reader if options.servers > 1 else None
         assert job.test is not None
         self.x, self.y = torch.from_numpy(job.test.x), torch.from_numpy(job.test.y)
         self.history: list[dict[str, float]] = []
@@ -617,7 +589,7 @@ class Evaluator:
         if self.links is not None:
             versions += self.links.pull()
         with torch.no_grad():
-            logits = self.flat.model(self.x)
+            logits = self.model(self.x)
             loss = functional.cross_entropy(logits, self.y).item()
             accuracy = (logits.argmax(1) == self.y).float().mean().item()
         samples = len(self.server.log) * self.job.options.batch_size  # about: last batches
@@ -643,19 +615,12 @@ class Evaluator:
             raise self._failure
         self.final = self._evaluate()
         if self.links is not None:
-            self.links.bye()
+            self.links.close()
 
     def close(self) -> None:
         self._stop.set()
         if self.links is not None:
-            self.links.close()
-
-
-def _secret(member: Member) -> bytes:
-    """The round's secret, with which this member's links prove they are the job's."""
-    if member.roster is None:
-        raise RuntimeError("the member holds no roster")
-    return member.roster.secret_bytes
+            self.links.abort()
 
 
 def _rank(member: Member) -> int:

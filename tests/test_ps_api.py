@@ -1,0 +1,159 @@
+"""The public parameter-server API (`coordinator.ps`) with a model of the user's own.
+
+Real sockets and the real handshake: an MLP trained by two trainer threads under
+aggregate BSP ends where one process with the whole batch ends; a wrong secret is
+refused before any PS frame; gradients given to `push` are checked; outside a job
+`program_peers` says how to run; and `examples/ps_custom.py` under `coordinator run`
+reaches its documented accuracy under SSP with a straggler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from coordinator import ps
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.ps.model import FlatModel
+from coordinator.rendezvous.handshake import HandshakeError
+
+ROOT = Path(__file__).parent.parent
+SECRET = b"s" * 32
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def listening(servers: int, trainers: int, **options: object) -> tuple[list[ps.Server], ps.Peers]:
+    """`servers` servers of `mlp()` on loopback, each behind its own handshake endpoint."""
+    ids = [ps.ServerAddress(i, "127.0.0.1", 0, f"m{i}/ps") for i in range(servers)]
+    unbound = ps.Peers("job", 1, ids, SECRET)
+    started = []
+    for index in range(servers):
+        server = ps.serve(mlp(), index=index, servers=servers, trainers=trainers,
+                          peers=unbound, **options)  # type: ignore[arg-type]  # fmt: skip
+        server.listen("127.0.0.1", 0, unbound)
+        started.append(server)
+    bound = [
+        ps.ServerAddress(i, "127.0.0.1", s.endpoint.port, f"m{i}/ps")  # type: ignore[union-attr]
+        for i, s in enumerate(started)
+    ]
+    return started, ps.Peers("job", 1, bound, SECRET)
+
+
+def test_aggregate_bsp_over_two_servers_equals_one_process_with_the_whole_batch() -> None:
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    spec = ps.optimizer("sgd", 0.1, momentum=0.9)
+    servers, peers = listening(2, 2, optimizer=spec, aggregate=True)
+    failures: list[BaseException] = []
+
+    def train(index: int) -> None:
+        try:
+            with ps.trainer(mlp(), peers, index=index, timeout=10) as client:
+                part = slice(4 * index, 4 * index + 4)
+                for _ in range(3):
+                    client.step(lambda m: functional.cross_entropy(m(x[part]), y[part]))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        for server in servers:
+            server.wait(timeout=10)
+    finally:
+        for server in servers:
+            server.close()
+    assert not failures, failures
+    assert [s.version for s in servers] == [3, 3]
+
+    reference = mlp()
+    optimiser = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        optimiser.zero_grad()
+        functional.cross_entropy(reference(x), y).backward()
+        optimiser.step()
+    final = mlp()
+    flat = FlatModel.build(final, 2)
+    for index, server in enumerate(servers):
+        flat.params[flat.slices[index]].copy_(server.snapshot()[0])
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(dict(final.named_parameters())[name], param)
+
+
+def test_a_trainer_without_the_rounds_secret_is_refused_and_given_grads_are_checked() -> None:
+    servers, peers = listening(1, 1, checkpoint_every=0)
+    try:
+        wrong = ps.Peers(peers.job_id, peers.round, peers.servers, b"x" * 32)
+        with pytest.raises(HandshakeError):
+            ps.trainer(mlp(), wrong, index=0, timeout=5)
+        model = mlp()
+        with ps.trainer(model, peers, index=0, timeout=5) as client:
+            with pytest.raises(ValueError, match="2 gradients for 4 parameters"):
+                client.push([torch.zeros(1), torch.zeros(1)])
+            with pytest.raises(ValueError, match=r"shape \[2\] for a parameter of shape \[16, 6\]"):
+                client.push([torch.zeros(2), None, None, None])
+            client.pull()
+            before = servers[0].snapshot()[0]
+            client.push([torch.ones_like(p) for p in model.parameters()])
+            assert servers[0].version == 1 and client.clock == 1
+            torch.testing.assert_close(servers[0].snapshot()[0], before - 0.02)
+        servers[0].wait(timeout=5)
+    finally:
+        servers[0].close()
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="optimizer must be sgd or adam"):
+        ps.optimizer("rmsprop")
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        ps.optimizer("adam", -1.0)
+    with pytest.raises(ValueError, match="index 2 is not one of the 2 servers"):
+        ps.serve(mlp(), index=2, servers=2, trainers=1)
+    with pytest.raises(ValueError, match="ps=5 servers but the model has only 4 tensors"):
+        ps.serve(mlp(), index=0, servers=5, trainers=1)
+    with pytest.raises(ValueError, match="index order"):
+        ps.Peers("job", 1, [ps.ServerAddress(1, "127.0.0.1", 1, "m")], SECRET)
+    with pytest.raises(RuntimeError, match="coordinator run --workers N"):
+        ps.program_peers(1, environ={})
+
+
+@pytest.mark.one_etcd
+def test_the_custom_example_reaches_its_accuracy_under_ssp_with_a_straggler(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, tmp_path: Path
+) -> None:
+    command = [sys.executable, "-m", "coordinator", "run", "--workers", "3",
+               "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace, "--job", "psx",
+               "--", sys.executable, str(ROOT / "examples/ps_custom.py"),
+               "--ps", "1", "--straggler", "2", "--factor", "3"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    results = {}
+    for line in done.stdout.splitlines():
+        text = line.split("] ", 1)[-1]
+        if text.startswith("{") and '"role"' in text:
+            record = json.loads(text)
+            results[record["rank"]] = record
+    assert sorted(results) == [0, 1, 2]
+    assert results[0]["version"] == 2 * 189  # every step of both trainers applied
+    assert all(results[r]["accuracy"] >= 0.85 for r in (1, 2)), results
+    assert (tmp_path / "artifacts" / "psx" / "ps" / "server-0.pt").exists()
