@@ -234,7 +234,13 @@ class Context:
         (see `coordinator.xgboost_collective`); `timeout`: XGBoost's, in seconds."""
         from coordinator.xgboost_collective import collective
 
-        return collective(self, timeout)
+        master = self.roster.master
+        return collective(
+            self.member,
+            (master.addr, master.port),
+            lambda name, seconds: self.barrier(name, timeout=seconds),
+            timeout,
+        )
 
     # -- reports ------------------------------------------------------------
 

@@ -20,13 +20,10 @@ the program's side:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from coordinator.rendezvous.errors import MemberLost
-
-if TYPE_CHECKING:
-    from coordinator.context import Context
+from coordinator.rendezvous.member import Member
 
 #: The program barrier every rank passes once the tracker listens.
 BARRIER = "xgboost"
@@ -36,8 +33,15 @@ LOSS_MARGIN = 2.0
 
 
 @contextlib.contextmanager
-def collective(ctx: Context, timeout: int) -> Iterator[None]:
-    """The body runs inside XGBoost's collective (see the module docstring)."""
+def collective(
+    member: Member,
+    master: tuple[str, int],
+    barrier: Callable[[str, float], None],
+    timeout: int,
+) -> Iterator[None]:
+    """The body runs inside XGBoost's collective (see the module docstring): `member` is
+    the program's side of its member, `master` the roster's (address, port), `barrier`
+    the program's named barrier (name, timeout)."""
     if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1:
         raise ValueError(f"timeout must be a whole number of seconds >= 1, got {timeout!r}")
     try:
@@ -47,37 +51,37 @@ def collective(ctx: Context, timeout: int) -> Iterator[None]:
     except ImportError as exc:
         raise RuntimeError(f"ctx.xgboost() needs XGBoost: pip install xgboost ({exc})") from None
 
-    master = ctx.roster.master
+    (addr, port), rank, world_size = master, member.rank, member.world_size
     tracker = None
-    if ctx.rank == 0:
+    if rank == 0:
         tracker = RabitTracker(
-            n_workers=ctx.world_size,
-            host_ip=master.addr,
-            port=master.port,
+            n_workers=world_size,
+            host_ip=addr,
+            port=port,
             sortby="task",
             timeout=timeout,
         )
         tracker.start()
     try:
-        ctx.barrier(BARRIER, timeout=float(timeout))
+        barrier(BARRIER, float(timeout))
         args = {
-            "dmlc_tracker_uri": master.addr,
-            "dmlc_tracker_port": master.port,
-            "dmlc_task_id": f"{ctx.rank:06d}",  # compared as strings: pad so rank order holds
+            "dmlc_tracker_uri": addr,
+            "dmlc_tracker_port": port,
+            "dmlc_task_id": f"{rank:06d}",  # compared as strings: pad so rank order holds
             "dmlc_timeout": timeout,
             "dmlc_retry": 3,
         }
         try:
             with xgb_collective.CommunicatorContext(**args):
                 given = (xgb_collective.get_rank(), xgb_collective.get_world_size())
-                if given != (ctx.rank, ctx.world_size):
+                if given != (rank, world_size):
                     raise RuntimeError(
-                        f"XGBoost gave rank {given[0]} of {given[1]} to job rank {ctx.rank} "
-                        f"of {ctx.world_size}"
+                        f"XGBoost gave rank {given[0]} of {given[1]} to job rank {rank} "
+                        f"of {world_size}"
                     )
                 yield
         except xgboost.core.XGBoostError as exc:
-            _explain_failure(ctx, exc)
+            _explain_failure(member, exc)
         if tracker is not None:
             tracker.wait_for(timeout)
     finally:
@@ -87,11 +91,10 @@ def collective(ctx: Context, timeout: int) -> Iterator[None]:
                 tracker.free()
 
 
-def _explain_failure(ctx: Context, error: Exception) -> None:
+def _explain_failure(member: Member, error: Exception) -> None:
     """Name the peer whose loss broke the collective, if etcd does within a TTL + 2 s."""
     text = str(error).strip()
     message = text.splitlines()[0] if text else repr(error)
-    member = ctx.member
     lost = member.wait_for_loss(member.ttl + LOSS_MARGIN)
     if lost is not None:
         raise MemberLost(lost.rank, "xgboost", f"{lost.reason}; XGBoost: {message}") from error
