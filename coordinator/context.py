@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from coordinator.barriers.live import LiveBarrier, OnLoss, Passage
 from coordinator.barriers.policy import BarrierSpec, Method
@@ -36,6 +36,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.names import check_name
 from coordinator.events import Report, write_line
 from coordinator.rendezvous.attached import AttachedMember
+from coordinator.rendezvous.roster import RosterFile
 
 #: How often at most a `report` line is printed (the last one always is).
 REPORT_SECONDS = 0.2
@@ -50,36 +51,6 @@ HOW_TO_RUN = "coordinator run --workers N -- python prog.py"
 
 class NotInJob(RuntimeError):
     """`context()` was called in a process that no member started."""
-
-
-class MasterAddress(BaseModel):
-    addr: str = Field(min_length=1, max_length=255)
-    port: int = Field(ge=1, le=65535)
-
-
-class RosterMember(BaseModel):
-    rank: int = Field(ge=0)
-    address: str = Field(min_length=1, max_length=255)
-    endpoint_port: int = Field(ge=0, le=65535)
-    hostname: str = ""
-    pid: int = 0
-    reserved_ports: list[int] = Field(default_factory=list, max_length=64)
-
-
-class RosterFile(BaseModel):
-    """The roster file a member writes for its program (`environment.roster_document`)."""
-
-    job_id: str
-    round: int
-    world_size: int = Field(ge=1)
-    master: MasterAddress
-    members: list[RosterMember]
-
-    @model_validator(mode="after")
-    def _ranks_in_order(self) -> RosterFile:
-        if [m.rank for m in self.members] != list(range(self.world_size)):
-            raise ValueError(f"members must list ranks 0..{self.world_size - 1} in order")
-        return self
 
 
 def _read_environment(env: Mapping[str, str]) -> dict[str, Any]:
@@ -173,12 +144,9 @@ class Context:
         if self._attempt is None:
             etcd = self.member.etcd
             rounds = etcd.key("jobs", self.job, "program", "rounds") + "/"
-            kv = etcd.get(f"{rounds}{self.round:020d}")
-            revision = kv.create_revision if kv else etcd.put(f"{rounds}{self.round:020d}", "")
-            if kv is None:  # two ranks may put it: the first creation counts
-                kv = etcd.get(f"{rounds}{self.round:020d}")
-                revision = kv.create_revision if kv else revision
-            self._attempt = etcd.count_prefix(rounds, max_create_revision=revision)
+            # Created once, by whichever rank comes first; the others read it back.
+            _, kv, _ = etcd.create(f"{rounds}{self.round:020d}", "")
+            self._attempt = etcd.count_prefix(rounds, max_create_revision=kv.create_revision)
         return self._attempt
 
     def checkpoint_dir(self) -> Path:

@@ -20,7 +20,6 @@ reserved port.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import socket
 import time
@@ -36,19 +35,6 @@ from coordinator.ps.model import FlatModel, server_tensors
 from coordinator.ps.optim import OptimizerSpec
 from coordinator.ps.server import Applied, ParameterServer
 from coordinator.rendezvous.endpoint import MemberEndpoint
-
-__all__ = [
-    "OptimizerSpec",
-    "Peers",
-    "Server",
-    "ServerAddress",
-    "Trainer",
-    "optimizer",
-    "program_peers",
-    "reader",
-    "serve",
-    "trainer",
-]
 
 
 def optimizer(
@@ -432,6 +418,7 @@ def program_peers(servers: int, *, environ: dict[str, str] | None = None) -> Pro
     opens the member's own endpoint."""
     from coordinator.etcd.client import Etcd
     from coordinator.rendezvous.member import JobKeys, read_roster
+    from coordinator.rendezvous.roster import RosterFile
 
     env = dict(os.environ if environ is None else environ)
     missing = [v for v in ("COORDINATOR_ROSTER", "COORDINATOR_RANK", "COORDINATOR_ETCD")
@@ -441,9 +428,8 @@ def program_peers(servers: int, *, environ: dict[str, str] | None = None) -> Pro
             f"{', '.join(missing)} not set: run this program under `coordinator run "
             "--workers N -- PROGRAM` (the command kind)"
         )
-    document = json.loads(Path(env["COORDINATOR_ROSTER"]).read_text())
-    job_id, round_ = str(document["job_id"]), int(document["round"])
-    members = document["members"]
+    document = RosterFile.model_validate_json(Path(env["COORDINATOR_ROSTER"]).read_bytes())
+    job_id, round_, members = document.job_id, document.round, document.members
     if not 1 <= servers < len(members):
         raise ValueError(f"ps={servers}: {len(members)} members need 1..{len(members) - 1}")
     etcd = Etcd(
@@ -463,8 +449,8 @@ def program_peers(servers: int, *, environ: dict[str, str] | None = None) -> Pro
     addresses = [
         ServerAddress(
             rank,
-            str(members[rank]["address"]),
-            int(members[rank]["reserved_ports"][0]),
+            members[rank].address,
+            members[rank].reserved_ports[0],
             f"{roster.members[rank].member_id}/ps",
         )
         for rank in range(servers)
@@ -476,6 +462,6 @@ def program_peers(servers: int, *, environ: dict[str, str] | None = None) -> Pro
         rank=rank,
         world_size=len(members),
         peers=Peers(job_id, round_, addresses, roster.secret_bytes),
-        bind=(str(me["address"]), int(me["reserved_ports"][0])),
+        bind=(me.address, me.reserved_ports[0]),
         checkpoint_dir=artifacts / "ps",
     )

@@ -69,3 +69,37 @@ class Roster(BaseModel):
     def from_etcd(cls, value: bytes) -> Roster:
         """A roster read from etcd, checked (a ValidationError names the bad field)."""
         return cls.model_validate_json(value)
+
+
+# -- the roster file a member writes for its program (`jobs.environment.roster_document`) --
+
+
+class MasterAddress(BaseModel):
+    addr: str = Field(min_length=1, max_length=255)
+    port: int = Field(ge=1, le=65535)
+
+
+class RosterMember(BaseModel):
+    rank: int = Field(ge=0)
+    address: str = Field(min_length=1, max_length=255)
+    endpoint_port: int = Field(ge=0, le=65535)
+    hostname: str = ""
+    pid: int = 0
+    reserved_ports: list[int] = Field(default_factory=list, max_length=64)
+
+
+class RosterFile(BaseModel):
+    """The roster file a member writes for its program: no secret, and the ports it
+    reserved for the program (rank 0's is MASTER_PORT)."""
+
+    job_id: str
+    round: int
+    world_size: int = Field(ge=1)
+    master: MasterAddress
+    members: list[RosterMember]
+
+    @model_validator(mode="after")
+    def _ranks_in_order(self) -> RosterFile:
+        if [m.rank for m in self.members] != list(range(self.world_size)):
+            raise ValueError(f"members must list ranks 0..{self.world_size - 1} in order")
+        return self
