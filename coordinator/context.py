@@ -23,7 +23,7 @@ import atexit
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -181,18 +181,20 @@ class Context:
         start: int = 0,
         seed: int | None = None,
         timeout: float | None = None,
+        ranks: Iterable[int] | None = None,
     ) -> Steps:
         """A step barrier pacing this program's loop (see `Steps`); arguments are checked
-        here, before anything is written to etcd."""
-        spec, loss = check_steps(
-            method, staleness, sample, staleness_upper, on_loss, self.world_size
-        )
+        here, before anything is written to etcd. `ranks`: the ranks that step (default
+        all; a parameter server's trainers, say). Losing a rank outside them fails the
+        steps whatever `on_loss` says."""
+        stepping = check_ranks(ranks, self.rank, self.world_size)
+        spec, loss = check_steps(method, staleness, sample, staleness_upper, on_loss, len(stepping))
         target = check_stop(num_steps, last_step, start)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self._steps_made += 1
         root = f"{self.member.keys.job}program/steps/{self._steps_made}/"
-        return Steps(self.member, spec, loss, target, start, seed, timeout, root)
+        return Steps(self.member, spec, loss, target, start, seed, timeout, root, stepping)
 
     # -- XGBoost ------------------------------------------------------------
 
@@ -266,9 +268,7 @@ def check_steps(
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     if sample > world - 1:
-        raise ValueError(
-            f"sample={sample} is larger than the {world - 1} other members of this job"
-        )
+        raise ValueError(f"sample={sample} is larger than the {world - 1} other stepping members")
     try:
         spec = BarrierSpec(chosen, staleness, sample, staleness_upper).validate()
     except ValueError as exc:
@@ -278,6 +278,18 @@ def check_steps(
     except ValueError:
         raise ValueError(f"on_loss={on_loss!r} is not fail or continue") from None
     return spec, loss
+
+
+def check_ranks(ranks: Iterable[int] | None, rank: int, world: int) -> frozenset[int]:
+    """The stepping ranks, or a ValueError naming `ranks`."""
+    if ranks is None:
+        return frozenset(range(world))
+    chosen = list(ranks)
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in chosen):
+        raise ValueError(f"ranks must be ranks of this job (0..{world - 1}), got {chosen!r}")
+    if rank not in chosen:
+        raise ValueError(f"ranks={chosen!r} leaves out this program's own rank {rank}")
+    return frozenset(chosen)
 
 
 def check_stop(num_steps: int | None, last_step: int | None, start: int) -> int | None:
@@ -311,10 +323,11 @@ class Steps:
         seed: int | None,
         timeout: float | None,
         root: str,
+        ranks: frozenset[int],
     ) -> None:
         self.spec, self.target, self.on_loss = spec, target, on_loss
         self._member = member
-        self._args = (spec, on_loss, start, seed, timeout, root)
+        self._args = (spec, on_loss, start, seed, timeout, root, ranks)
         self._barrier: LiveBarrier | None = None
         self._clock = start
         self._finished = False
@@ -331,7 +344,7 @@ class Steps:
 
     def _started(self) -> LiveBarrier:
         if self._barrier is None:
-            spec, on_loss, start, seed, timeout, root = self._args
+            spec, on_loss, start, seed, timeout, root, ranks = self._args
             if on_loss == OnLoss.CONTINUE:
                 self._member.carry_on_without_lost()
             self._barrier = LiveBarrier(
@@ -342,6 +355,9 @@ class Steps:
                 seed=seed,
                 timeout=timeout,
                 root=root,
+                participants=ranks,
+                start_barrier=f"steps-{root.split('/')[-2]}-start",  # one per Steps
+                start_among_participants=True,
             )
             self._barrier.start()
         return self._barrier

@@ -7,16 +7,16 @@ reserved port); the others are trainers (`coordinator.ps.trainer`): pull, a batc
 their shard, backward, push. Each connection proves the round's secret (read from
 the job's roster in etcd with the member's own etcd user) before a PS frame travels.
 
-Pacing (SSP with `--staleness s`): a trainer about to begin step c pulls only weights
-with at least T * (c - s) updates (T trainers, every push is one update on every
-server), so a fast trainer waits for the slow ones: the slowest is at most T * s steps
-behind. TODO(issue 19): pace with `coordinator.context().steps("ssp", staleness=s)`
-once it lands, which bounds each trainer's lead by exactly s.
+Pacing: the trainers step under `coordinator.context().steps("ssp", staleness=s,
+ranks=<the trainers>)`, the step barrier the built-in jobs and the simulator use, so a
+trainer never starts step c + 1 before every other trainer completed c - s. A pull after
+the barrier lets a trainer through holds every update it waited for.
 
 Each trainer evaluates the final weights on the 1000 test digits and prints
-`{"rank", "accuracy", ...}`; it also reports its loss as `{"event": "report"}` lines,
-which reach the job's progress. Servers checkpoint to `<artifacts>/<job>/ps/` and a
-rerun with the same job id resumes from there (`--resume`). Builtin digits (4000
+`{"rank", "accuracy", ...}`; it reports its loss with `ctx.report`, which reaches the
+job's progress, the CLI's bar and the dashboard. Servers checkpoint to
+`<artifacts>/<job>/ps/`; a restarted attempt (`max_restarts`) or a rerun of the same
+job id with `--resume` continues from there, each trainer from its clock there. Builtin digits (4000
 training, 1000 test), 2 trainers, 3 epochs, batch 32, SGD 0.05 with momentum 0.9:
 about 0.90 test accuracy (0.85 or more in the test).
 """
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+import coordinator
 from coordinator import ps
 from coordinator.datasets.mnist import load_test, load_train_shard, parse_mnist
 
@@ -47,14 +48,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--staleness", type=int, default=2, help="SSP bound (see the docstring)")
+    parser.add_argument("--staleness", type=int, default=2, help="SSP's bound in steps")
     parser.add_argument("--straggler", type=int, default=None, help="this rank is slower")
     parser.add_argument("--factor", type=float, default=3.0, help="the straggler's slowdown")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    found = ps.program_peers(args.ps)  # rank, the servers' addresses, the secret
+    ctx = coordinator.context()
+    found = ps.program_peers(args.ps)  # the servers' addresses and the round's secret
     trainers = found.world_size - args.ps
     data = parse_mnist("digits")
     torch.set_num_threads(1)
@@ -75,7 +77,7 @@ def main() -> None:
             optimizer=ps.optimizer("sgd", args.lr, momentum=0.9),
             checkpoint_dir=found.checkpoint_dir,
             checkpoint_every=50,
-            resume=args.resume,
+            resume=args.resume or ctx.attempt > 1,
             max_updates=sum(steps),
         )
         server.listen(*found.bind, found.peers)
@@ -85,6 +87,7 @@ def main() -> None:
             server.close()
         server.save_checkpoint()
         print(json.dumps({"rank": found.rank, "role": "server", "version": server.version,
+                          "resumed_from": server.resumed_from,
                           "staleness": server.staleness_histogram()}), flush=True)  # fmt: skip
         return
 
@@ -93,10 +96,10 @@ def main() -> None:
     x, y = torch.from_numpy(shard.x), torch.from_numpy(shard.y)
     per_epoch = math.ceil(len(y) / args.batch)
     with ps.trainer(model, found.peers, index=index, timeout=120) as client:
-        while client.clock < steps[index]:
-            clock = client.clock
-            least = max(0, trainers * (clock - args.staleness))
-            client.pull_at_least([least] * args.ps)  # SSP by the servers' versions
+        pacing = ctx.steps("ssp", staleness=args.staleness, ranks=range(args.ps, found.world_size),
+                           start=client.clock, last_step=steps[index])  # fmt: skip
+        for clock in pacing:  # waits until SSP lets this trainer start step clock + 1
+            client.pull()
             epoch, position = divmod(clock, per_epoch)
             # A fresh shuffle each epoch, a function of (seed, trainer, epoch): a resumed
             # trainer takes up the data order where its checkpoint left it.
@@ -110,9 +113,7 @@ def main() -> None:
             if found.rank == args.straggler:
                 time.sleep((time.perf_counter() - began) * (args.factor - 1))
             client.push()
-            if client.clock % 20 == 0 or client.clock == steps[index]:
-                print(json.dumps({"event": "report", "step": client.clock, "total": steps[index],
-                                  "metrics": {"loss": loss.item()}}), flush=True)  # fmt: skip
+            ctx.report(step=client.clock, total=steps[index], loss=loss.item())
         # The final weights: every trainer's every push applied (a fast trainer waits for
         # the straggler here), so each trainer evaluates the same model.
         client.pull_at_least([sum(steps)] * args.ps)

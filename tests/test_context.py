@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.context import Context, NotInJob, check_steps, check_stop
+from coordinator.context import Context, NotInJob, check_ranks, check_steps, check_stop
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from tests.conftest import Proc, wait_until
@@ -218,6 +218,14 @@ def test_bad_step_arguments_are_named_before_any_etcd_write(
         check_stop(-1, None, 0)
 
 
+@pytest.mark.parametrize("ranks", [[0, 3], [0, True], [1, 2], ["0"]])
+def test_stepping_ranks_must_be_ranks_of_the_job_including_ones_own(ranks: list[Any]) -> None:
+    with pytest.raises(ValueError, match="ranks"):
+        check_ranks(ranks, 0, 3)
+    assert check_ranks(range(1, 3), 1, 3) == {1, 2}
+    assert check_ranks(None, 2, 3) == {0, 1, 2}
+
+
 def test_context_outside_a_job_says_how_to_run_the_program(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COORDINATOR_")}
     code = "import coordinator; coordinator.context()"
@@ -246,6 +254,10 @@ def test_the_ssp_loop_example_trains_and_reports_its_loss(
     reports = [json.loads(line.split("] ", 1)[-1]) for line in run.stdout if '"report"' in line]
     assert reports and all("loss" in r["metrics"] for r in reports)
     assert len(reports) < 3 * 40  # coalesced: at most one line per 0.2 s, plus the last
+    # The reports' bar: every rank's steps of its total, titled with the latest loss.
+    bars = [line for line in run.stderr if line.startswith("steps") and "loss" in line]
+    total = sum(r["total"] for r in {r["rank"]: r for r in reports}.values())
+    assert bars and f"{total}/{total}" in bars[-1], bars
 
 
 def test_reports_of_any_metric_name_make_the_learning_curve() -> None:
@@ -273,11 +285,15 @@ def test_reports_reach_the_jobs_progress_and_series_through_the_service(
     serve: Callable[..., ServiceProc],  # noqa: F811
 ) -> None:
     """`ctx.report` from a command job's program, through a real `coordinator serve`: the
-    last report is the job's progress, and rank 0's reports (any names) are its curve."""
+    last report is the job's progress, and rank 0's reports (any names) are its curve;
+    `coordinator submit --wait` shows them on its bar."""
     service = serve()
-    spec = {"id": "reporter", "kind": "command", "workers": 2,
-            "command": [sys.executable, "-c", REPORTER]}  # fmt: skip
-    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    cli = [sys.executable, "-m", "coordinator", "submit", "--server", service.url,
+           "--token", service.generated_token() or "", "--workers", "2", "--id", "reporter",
+           "--wait", "--", sys.executable, "-c", REPORTER]  # fmt: skip
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "5/5" in done.stderr and "loss 0.2 " in done.stderr, done.stderr
     record = wait_state(service, "reporter", {"SUCCEEDED", "FAILED"})
     assert record["state"] == "SUCCEEDED", record["conditions"]
     progress = record["progress"]

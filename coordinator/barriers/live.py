@@ -219,9 +219,13 @@ class LiveBarrier:
         timeout: float | None = None,
         participants: Iterable[int] | None = None,
         root: str | None = None,
+        start_barrier: str = "steps-start",
+        start_among_participants: bool = False,
     ) -> None:
         """`root`: where the keys go (default `<job>/steps/`; a program's own step barriers
-        each get one of their own)."""
+        each get one of their own). `start_barrier`: the member barrier everyone passes
+        before the first step: every member of the job (a parameter-server job's servers
+        pass it too), or, with `start_among_participants`, only the participants."""
         self.spec = spec.validate()
         self.member = member
         self.etcd = member.etcd
@@ -247,6 +251,7 @@ class LiveBarrier:
         # so a worker can tell which peers sampled it at a given clock.
         self._seed = seed if seed is not None else member.round
         self._ordered = sorted(self.participants)
+        self._start = (start_barrier, self.participants if start_among_participants else None)
         self._intervals: deque[float] = deque(maxlen=5)
         self._last_push = time.time()
         self._asp_published = 0.0
@@ -360,7 +365,8 @@ class LiveBarrier:
             )
         )
         self.member.on_session_lost(lambda reason: self._inbox.put(("session", reason)))
-        self.member.barrier("steps-start")
+        name, among = self._start
+        self.member.barrier(name, ranks=among)
         if self.spec.method == Method.DSSP:
             kv = self.etcd.get(self.credit_key())
             if kv is not None:

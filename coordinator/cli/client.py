@@ -24,7 +24,7 @@ import typer
 from httpx_sse import SSEError, connect_sse
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from coordinator.cli.members import member_kind
@@ -209,18 +209,24 @@ def submit(
 def _follow(api: Api, job_id: str) -> int:
     """Show the job's progress until its final state; the exit code it mirrors."""
     state = "PENDING"
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}")]
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}")]  # fmt: skip
     with Progress(*columns, TimeElapsedColumn(), console=err) as progress:
         task = progress.add_task(job_id, total=None, info="")
         for record in api.events(job_id):
             state = record["state"]
             done = record.get("progress") or {}
             reason = record["conditions"][-1]["reason"] if record["conditions"] else ""
+            metrics = "  ".join(
+                f"{name} {value:.4g}"
+                for name, value in (done.get("metrics") or {}).items()
+                if isinstance(value, int | float) and not isinstance(value, bool)
+            )
             progress.update(
                 task,
                 total=done.get("total"),
                 completed=done.get("step") or 0,
-                info=f"{state}: {reason}"[:80],
+                info=f"{state}: {metrics or reason}"[:50],  # the bar must fit 80 columns
             )
     out.print(f"{job_id}: {state}")
     return OUTCOME_CODES.get(state, 0)

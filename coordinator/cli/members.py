@@ -333,17 +333,37 @@ def _follow(launcher: LocalLauncher, deadline: float) -> None:
 
 
 def _echo(launcher: LocalLauncher) -> None:
-    """Show the programs' output lines and reports, each prefixed with its rank, as they come."""
-    while launcher.running() or not launcher.events.empty():
-        try:
-            index, event = launcher.events.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if isinstance(event, Output | Report):
+    """Show the programs' output lines, each prefixed with its rank, as they come, and
+    their reports as one bar: every rank's latest step of its total, and the latest
+    metrics. Report lines are printed too where the output is not a terminal (a log)."""
+    reports: dict[int, Report] = {}  # rank -> its latest report
+    lines = not sys.stdout.isatty()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=False) as progress:
+        task: TaskID | None = None
+        while launcher.running() or not launcher.events.empty():
+            try:
+                index, event = launcher.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
             rank = launcher.workers[index].rank
-            stream = sys.stderr if getattr(event, "stream", "") == "stderr" else sys.stdout
-            line = event.line if isinstance(event, Output) else event.to_line()
-            print(f"[rank {'?' if rank is None else rank}] {line}", file=stream, flush=True)
+            if isinstance(event, Output) or (isinstance(event, Report) and lines):
+                stream = sys.stderr if getattr(event, "stream", "") == "stderr" else sys.stdout
+                line = event.line if isinstance(event, Output) else event.to_line()
+                print(f"[rank {'?' if rank is None else rank}] {line}", file=stream, flush=True)
+            if isinstance(event, Report) and event.step is not None:
+                reports[event.rank if event.rank is not None else -1] = event
+                if task is None:
+                    task = progress.add_task("steps", total=None)
+                totals = [r.total for r in reports.values()]
+                metrics = "  ".join(f"{k} {v:.4g}" for k, v in event.metrics.items())
+                progress.update(
+                    task,
+                    completed=sum(r.step or 0 for r in reports.values()),
+                    total=None if None in totals else sum(t or 0 for t in totals),
+                    description=f"steps  {metrics}".strip(),
+                )
 
 
 def _follow_steps(

@@ -263,8 +263,8 @@ class ParameterServer:
         with self.changed:
             applied = Applied(trainer, clock, computed_from, self.version, self._now())
             wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
+            self.trainers[trainer].clock = clock  # before the update: its checkpoint has it
             self._update(grad, [applied])
-            self.trainers[trainer].clock = clock
 
     def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
@@ -296,9 +296,9 @@ class ParameterServer:
             mean /= len(order)
             now = self._now()
             rows = [Applied(t, clock, step.versions[t], self.version, now) for t in order]
-            self._update(mean, rows)
             for t in order:
                 self.trainers[t].clock = clock
+            self._update(mean, rows)
             step.applied = True
             del self._steps[clock]
             self.changed.notify_all()

@@ -368,32 +368,41 @@ class Member:
         self._barrier("connect")
 
     @fenced
-    def barrier(self, name: str, timeout: float | None = None) -> None:
-        """Wait until all N members have called `barrier(name)` the same number of times
-        (for at most `timeout` seconds, inf for no deadline; default the phase timeout)."""
-        self._barrier(check_name("barrier name", name), timeout)
+    def barrier(
+        self, name: str, timeout: float | None = None, ranks: frozenset[int] | None = None
+    ) -> None:
+        """Wait until all N members (or only `ranks`, which then must be the only ones
+        to call it) have called `barrier(name)` the same number of times (for at most
+        `timeout` seconds, inf for no deadline; default the phase timeout). Losing any
+        member fails it, whether among `ranks` or not."""
+        self._barrier(check_name("barrier name", name), timeout, ranks)
 
-    def _barrier(self, name: str, timeout: float | None = None) -> None:
+    def _barrier(
+        self, name: str, timeout: float | None = None, ranks: frozenset[int] | None = None
+    ) -> None:
         self.phase = name
         arrived = time.time()
         rank, lease = self._require_rank(), self._lease()
         self._require_roster()
+        among = frozenset(range(self.world_size)) if ranks is None else ranks
+
+        def expected() -> int:
+            return len(among - self._excused)
+
         use = self._barrier_uses[name]
         self._barrier_uses[name] += 1
         base = self.keys.barrier(self.round, name, use)
         revision, count = self.etcd.put_and_count(
             f"{base}arrived/{rank:06d}", json.dumps({"t": arrived}), lease, base + "arrived/"
         )
-        if count >= self.world_size - len(self._excused):  # the last arrival opens the gate
+        if count >= expected():  # the last arrival opens the gate
             self.etcd.put(base + "ready", str(self.round), lease)
 
         def recheck() -> bool | None:
             if self.etcd.get(base + "ready"):
                 return True
             # A member we carry on without has gone: the rest may now be complete.
-            if self._excused and self.etcd.count_prefix(base + "arrived/") >= (
-                self.world_size - len(self._excused)
-            ):
+            if self._excused and self.etcd.count_prefix(base + "arrived/") >= expected():
                 self.etcd.put(base + "ready", str(self.round), lease)
                 return True
             return None
@@ -403,7 +412,7 @@ class Member:
             revision,
             on_events=lambda events: True if any(e.kind == "put" for e in events) else None,
             recheck=recheck,
-            missing=lambda: self._missing_ranks(base + "arrived/"),
+            missing=lambda: [r for r in self._missing_ranks(base + "arrived/") if r in among],
             timeout=timeout,
         )
         self._record(arrived)
