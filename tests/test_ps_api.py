@@ -4,17 +4,21 @@ Real sockets and the real handshake: an MLP trained by two trainer threads under
 aggregate BSP ends where one process with the whole batch ends; a wrong secret is
 refused before any PS frame; gradients given to `push` are checked; outside a job
 `program_peers` says how to run; and `examples/ps_custom.py` under `coordinator run`
-reaches its documented accuracy under SSP with a straggler.
+reaches its documented accuracy under SSP with a straggler, and through the service
+resumes after its server is killed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.ps.model import FlatModel
 from coordinator.rendezvous.handshake import HandshakeError
 from tests.conftest import wait_until
+from tests.test_service import ServiceProc, serve, wait_state  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).parent.parent
 SECRET = b"s" * 32
@@ -151,13 +156,49 @@ def test_the_custom_example_reaches_its_accuracy_under_ssp_with_a_straggler(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    results = {}
-    for line in done.stdout.splitlines():
-        text = line.split("] ", 1)[-1]
-        if text.startswith("{") and '"role"' in text:
-            record = json.loads(text)
-            results[record["rank"]] = record
+    results = role_lines(done.stdout)
     assert sorted(results) == [0, 1, 2]
     assert results[0]["version"] == 2 * 189  # every step of both trainers applied
     assert all(results[r]["accuracy"] >= 0.85 for r in (1, 2)), results
     assert (tmp_path / "artifacts" / "psx" / "ps" / "server-0.pt").exists()
+
+
+def role_lines(text: str) -> dict[int, dict[str, Any]]:
+    """Each rank's result line (`{"rank": r, "role": ...}`) in `run`'s or `/logs`' output."""
+    results = {}
+    for line in text.splitlines():
+        body = line.split("] ", 1)[-1]
+        if body.startswith("{") and '"role"' in body:
+            record = json.loads(body)
+            results[record["rank"]] = record
+    return results
+
+
+@pytest.mark.slow  # ~60 s: two attempts of the example through a real service
+def test_the_custom_example_resumes_after_its_server_is_killed_through_the_service(
+    serve: Callable[..., ServiceProc],  # noqa: F811
+) -> None:
+    """`max_restarts=1`: the server's member is SIGKILLed after its first checkpoint; the
+    second attempt's server resumes from it, the trainers from their clocks there, and
+    they reach the documented accuracy."""
+    service = serve()
+    spec = {"id": "psresume", "kind": "command", "workers": 3, "max_restarts": 1,
+            "command": [sys.executable, str(ROOT / "examples/ps_custom.py"), "--ps", "1",
+                        "--straggler", "2", "--epochs", "6"]}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    checkpoint = service.data / "artifacts" / "psresume" / "ps" / "server-0.pt"
+    wait_until(checkpoint.exists, 90, "the server's first checkpoint")
+    record = service.http.get("/v1/jobs/psresume").json()
+    server = next(m for m in record["attempts"][0]["members"] if m["rank"] == 0)
+    os.kill(server["pid"], signal.SIGKILL)
+
+    record = wait_state(service, "psresume", {"SUCCEEDED", "FAILED"}, timeout=180)
+    assert record["state"] == "SUCCEEDED", record["conditions"]
+    assert len(record["attempts"]) == 2 and "rank 0" in record["attempts"][0]["outcome"]
+    results = role_lines(service.http.get("/v1/jobs/psresume/logs").text)
+    assert sorted(results) == [0, 1, 2], results
+    resumed = results[0]["resumed_from"]
+    assert resumed and resumed % 50 == 0, results[0]  # a checkpoint every 50 updates
+    # Each trainer took up at its checkpointed clock: every step applied exactly once more.
+    assert results[0]["version"] == 2 * 378  # 6 epochs of 63 steps, both trainers
+    assert all(results[r]["accuracy"] >= 0.85 for r in (1, 2)), results
