@@ -22,26 +22,44 @@ log = logging.getLogger(__name__)
 MIN_TTL = 2
 
 
-class Session:
-    def __init__(self, etcd: Etcd, ttl: int = 10) -> None:
-        if ttl < MIN_TTL:
-            raise ValueError(f"lease ttl must be at least {MIN_TTL}s, got {ttl}")
-        self.etcd = etcd
-        self.ttl = ttl
-        self.lease_id = etcd.grant_lease(ttl)
+class LeaseHolder:
+    """A lease someone writes with, and who must hear once it is lost."""
+
+    def __init__(self, lease_id: int) -> None:
+        self.lease_id = lease_id
         self.lost = threading.Event()
         self.lost_reason = ""
         self._listeners: list[Callable[[str], None]] = []
-        self._stop = threading.Event()
-        self._last_ack = time.monotonic()
-        self._thread = threading.Thread(target=self._keepalive, daemon=True, name="etcd-keepalive")
-        self._thread.start()
 
     def on_lost(self, listener: Callable[[str], None]) -> None:
         """Call `listener(reason)` once if the lease is lost (at once if it already is)."""
         self._listeners.append(listener)
         if self.lost.is_set():
             listener(self.lost_reason)
+
+    def mark_lost(self, reason: str) -> None:
+        """Say the lease is lost, once, to every listener."""
+        if self.lost.is_set():
+            return
+        self.lost_reason = reason
+        self.lost.set()
+        for listener in self._listeners:
+            listener(reason)
+
+
+class Session(LeaseHolder):
+    """A lease of our own, renewed in the background until `close`."""
+
+    def __init__(self, etcd: Etcd, ttl: int = 10) -> None:
+        if ttl < MIN_TTL:
+            raise ValueError(f"lease ttl must be at least {MIN_TTL}s, got {ttl}")
+        self.etcd = etcd
+        self.ttl = ttl
+        super().__init__(etcd.grant_lease(ttl))
+        self._stop = threading.Event()
+        self._last_ack = time.monotonic()
+        self._thread = threading.Thread(target=self._keepalive, daemon=True, name="etcd-keepalive")
+        self._thread.start()
 
     def _keepalive(self) -> None:
         interval = self.ttl / 3
@@ -64,12 +82,8 @@ class Session:
                 return
 
     def _mark_lost(self, reason: str) -> None:
-        if self._stop.is_set() or self.lost.is_set():
-            return
-        self.lost_reason = reason
-        self.lost.set()
-        for listener in self._listeners:
-            listener(reason)
+        if not self._stop.is_set():  # closing: no longer ours to lose
+            self.mark_lost(reason)
 
     def close(self, revoke: bool = True) -> None:
         """Stop renewing; with `revoke`, delete every key bound to the lease now."""

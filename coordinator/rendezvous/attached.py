@@ -19,10 +19,8 @@ loss-detection code is the member's own:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.session import LeaseHolder
 from coordinator.rendezvous.errors import MemberLost, RendezvousError
 from coordinator.rendezvous.member import JobKeys, Member, loss_reason, member_state, rank_of
 from coordinator.rendezvous.roster import Roster
@@ -35,27 +33,8 @@ class ProgramKeys(JobKeys):
         return f"{self.root}program/barriers/{round_}/{name}/{use}/"
 
 
-class BorrowedLease:
+class BorrowedLease(LeaseHolder):
     """The member's lease, as a `Session` looks to `Member`: used, never renewed or revoked."""
-
-    def __init__(self, lease_id: int) -> None:
-        self.lease_id = lease_id
-        self.lost = threading.Event()
-        self.lost_reason = ""
-        self._listeners: list[Callable[[str], None]] = []
-
-    def on_lost(self, listener: Callable[[str], None]) -> None:
-        self._listeners.append(listener)
-        if self.lost.is_set():
-            listener(self.lost_reason)
-
-    def mark_lost(self, reason: str) -> None:
-        if self.lost.is_set():
-            return
-        self.lost_reason = reason
-        self.lost.set()
-        for listener in self._listeners:
-            listener(reason)
 
     def close(self, revoke: bool = False) -> None:
         """Nothing to do: the lease is the member's."""
