@@ -33,6 +33,7 @@ from coordinator.jobs.mnist import batch_rows, initial_model, parse
 from coordinator.ps.model import MnistNet
 from coordinator.ps.wire import HEADER, MAGIC, Dtype, Kind
 from coordinator.rendezvous import handshake
+from coordinator.simulator.delays import Trace
 from tests.conftest import Proc, wait_until, worker_args
 
 # Training is the subject here, not where etcd runs: once, against the embedded etcd.
@@ -121,6 +122,11 @@ def test_bsp_reaches_95_percent_and_saves_the_model_it_scored(
     path = Path(summary["model_path"])
     assert path == tmp_path / "mn" / "model.pt"
     assert accuracy(load_model(path)) == summary["test_accuracy"]
+
+    # Every trainer's step durations, as a trace the simulator replays.
+    trace = Trace(summary["step_times_path"])
+    assert [len(steps) for steps in trace.steps] == [63 * EPOCHS] * 2
+    assert all(0 < seconds < 5 for steps in trace.steps for seconds in steps)
 
     # Evaluations in etcd, numbered, their times increasing, the last on the final model.
     metrics, _ = etcd.get_prefix(etcd.key("jobs", "mn", "mnist", "metrics") + "/")

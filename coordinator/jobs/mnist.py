@@ -62,6 +62,7 @@ from coordinator.ps.model import MnistNet
 from coordinator.ps.optim import OptimizerSpec
 from coordinator.ps.wire import ProtocolError
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout
+from coordinator.rendezvous.member import rank_of
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
@@ -335,6 +336,7 @@ class MnistJob:
             participants=self.trainer_ranks,
         )
         passages: list[list[Any]] = []
+        step_seconds: list[float] = []  # pull to push acknowledged: the simulator's trace
         waited = computed = 0.0
         reported = 0.0
         try:
@@ -346,6 +348,7 @@ class MnistJob:
                 waited += passage.waited
                 passages.append([passage.clock, passage.slowest])
                 try:
+                    pulled = time.perf_counter()
                     client.pull()
                     step_began = time.perf_counter()
                     batch = batch_rows(
@@ -360,6 +363,7 @@ class MnistJob:
                         time.sleep(compute * slow)  # the straggler: its compute, made longer
                     client.clock = barrier.clock  # the barrier's clock is the step's truth
                     client.push()
+                    step_seconds.append(round(time.perf_counter() - pulled, 6))
                 except (OSError, ProtocolError) as exc:
                     self._explain(member, exc)
                 barrier.complete()
@@ -375,6 +379,8 @@ class MnistJob:
             barrier.close()
             client.abort()
         client.flat.check_grads_in_place()
+        times = f"{member.keys.job}mnist/step-times/{trainer:06d}"
+        member.etcd.put(times, json.dumps(step_seconds))
         member.barrier("mnist-done")
         return {
             "role": "trainer",
@@ -497,6 +503,7 @@ class MnistJob:
             for trainer, clock in record["clocks"].items():
                 clocks[int(trainer) + options.servers] = clock
         starts = {r["server"]: r["resumed_from"] for r in records}
+        step_times = self._write_step_times(member, folder / "step_times.csv")
         assert self.server is not None
         samples = sum(
             self._samples(t, clock) - self._samples(t, self.server.core.start_clocks[t])
@@ -528,6 +535,7 @@ class MnistJob:
             "resumed_from_version": starts,
             "metrics": evaluator.history,
             "model_path": str(path),
+            "step_times_path": str(step_times),
         }
         summary_path = folder / "summary.json"
         partial_summary = folder / ".summary.json.partial"
@@ -539,6 +547,26 @@ class MnistJob:
             "summary_path": str(summary_path),
             "metrics": {"test_accuracy": final["accuracy"], "test_loss": final["loss"]},
         }
+
+    def _write_step_times(self, member: Member, path: Path) -> Path:
+        """Every trainer's step durations (pull to push acknowledged, this attempt) as a
+        trace `coordinator simulate --delay trace:PATH` replays: worker,step,seconds."""
+        lines = ["worker,step,seconds"]
+        for kv in member.etcd.get_prefix(f"{member.keys.job}mnist/step-times/")[0]:
+            trainer = rank_of(kv.key)
+            seconds = json.loads(kv.value)
+            if not (
+                0 <= trainer < self.options.trainers
+                and isinstance(seconds, list)
+                and all(type(v) in (int, float) and 0 <= v < math.inf for v in seconds)
+            ):
+                raise ValueError(f"step times under {kv.key!r} are not a trainer's list")
+            lines += [f"{trainer},{step},{value:.6f}" for step, value in
+                      enumerate(seconds, start=1)]  # fmt: skip
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text("\n".join(lines) + "\n")
+        partial.replace(path)
+        return path
 
     def _samples(self, trainer: int, clock: int) -> int:
         """Samples a trainer has trained on after `clock` steps (the last batch of an epoch
