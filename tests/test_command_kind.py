@@ -280,17 +280,21 @@ def start_programs(
     job: str,
     n: int,
     script: str,
+    ttl: int = TTL,
+    env: dict[str, str] | None = None,
 ) -> tuple[list[Proc], list[int], list[int]]:
     """`n` members running `tests/programs/<script>`, each past connect with its program
     started (it writes `<folder>/rank<r>`): the members, their ranks, and every pid of
-    their process trees."""
-    os.environ["PIDS_DIR"] = str(folder)  # the members pass it on to their programs
+    their process trees. `env`: more variables for the programs."""
+    given = {"PIDS_DIR": str(folder), **(env or {})}
+    os.environ.update(given)  # the members pass them on to their programs
     try:
         program = [sys.executable, str(PROGRAMS / script)]
-        args = command_worker(etcd_server, etcd, job, n, program, ttl=TTL)
+        args = command_worker(etcd_server, etcd, job, n, program, ttl=ttl)
         procs = [spawn(args) for _ in range(n)]
     finally:
-        del os.environ["PIDS_DIR"]
+        for name in given:
+            del os.environ[name]
     ranks = [p.wait_event(lambda e: e.get("phase") == "connect", 60)["rank"] for p in procs]
     wait_until(lambda: all((folder / f"rank{r}").exists() for r in range(n)), 60, "programs")
     return procs, ranks, [pid for p in procs for pid in tree(p.process.pid)]
@@ -315,6 +319,28 @@ def test_a_killed_peer_stops_the_others_blocked_in_all_reduce(
         assert failed["error"] == "MemberLost" and "member rank 1 " in failed["message"]
     wait_until(lambda: gone(pids), 10, "every process of every member to end")
     wait_until(lambda: rendezvous_keys(etcd, "blocked") == [], TTL + 5, "no rendezvous key")
+
+
+def test_a_crashed_program_fails_every_member_at_once_naming_the_first_to_fail(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Callable[[list[str]], Proc], tmp_path: Path
+) -> None:
+    """Rank 1's program exits 7 while the others wait for it in an all_reduce, which then
+    fails there too. No member is lost, so nobody waits for a TTL (30 s here): every
+    member names rank 1's exit 7, the first failure, within seconds."""
+    ttl = 30
+    procs, _, pids = start_programs(
+        etcd_server, etcd, spawn, tmp_path, "crashed", 3, "block_in_allreduce.py", ttl=ttl,
+        env={"CRASH_RANK_1": "1"},
+    )  # fmt: skip
+    began = time.monotonic()
+    for proc in procs:
+        assert proc.wait_exit(timeout=ttl) == 9, proc.stderr[-3:]
+        failed = proc.wait_event(lambda e: e["event"] == "failed")
+        assert failed["error"] == "ProgramFailed", failed
+        assert failed["message"].startswith("rank 1: the program exited with code 7"), failed
+    assert time.monotonic() - began < ttl / 3  # far sooner than any lease could expire
+    wait_until(lambda: gone(pids), 10, "every process of every member to end")
+    wait_until(lambda: rendezvous_keys(etcd, "crashed") == [], 10, "no rendezvous key")
 
 
 def test_a_program_exiting_7_on_rank_1_fails_the_run_naming_both(

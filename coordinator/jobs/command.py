@@ -24,17 +24,19 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.etcd.client import KeyValue
+from coordinator.etcd.client import KeyValue, WatchEvent
 from coordinator.jobs import catalog
 from coordinator.jobs.environment import (
     PROGRAM_DIR,
@@ -47,7 +49,8 @@ from coordinator.jobs.environment import (
 )
 from coordinator.jobs.params import artifacts_dir, check_known, float_param
 from coordinator.jobs.program import ProgramGroup
-from coordinator.rendezvous.errors import ProgramFailed, RendezvousError
+from coordinator.rendezvous.errors import MemberLost, ProgramFailed, RendezvousError
+from coordinator.rendezvous.member import loss_reason
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
@@ -113,6 +116,29 @@ def published_ports(kvs: Sequence[KeyValue], world_size: int) -> dict[int, int]:
     return ports
 
 
+def failures(kvs: Sequence[KeyValue], world_size: int) -> dict[int, tuple[float, int, str]]:
+    """rank -> (when its program ended, revision, status) of the programs that failed, from
+    the keys their members wrote; anything else there is skipped (never trusted)."""
+    found: dict[int, tuple[float, int, str]] = {}
+    for kv in kvs:
+        name = kv.key.rsplit("/", 1)[1]
+        try:
+            said = json.loads(kv.value)
+            status, at = said["status"], said["at"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if not (name.isdigit() and int(name) < world_size and isinstance(status, str)):
+            continue
+        if type(at) in (int, float) and math.isfinite(at):
+            found[int(name)] = (float(at), kv.create_revision, status[:200])
+    return found
+
+
+def failed_in_program(state: Mapping[str, object]) -> bool:
+    """Whether a member's last state says its program failed (it was not killed)."""
+    return state.get("state") == "failed" and state.get("phase") == "program"
+
+
 class CommandJob:
     """One member's side of the job (see the module docstring)."""
 
@@ -137,6 +163,7 @@ class CommandJob:
         self._private: Path | None = None
         self._group: ProgramGroup | None = None
         self._wake = threading.Event()
+        self._ended_at = 0.0  # when the program ended (wall clock: compared across hosts)
         self._trouble: RendezvousError | None = None
 
     # -- before connect ---------------------------------------------------
@@ -213,14 +240,65 @@ class CommandJob:
         assert code is not None
         group.stop(self.stop_grace)  # what the program left behind in its group
         if code != 0:
-            lost = member.wait_for_loss(member.ttl + 2.0)
-            if lost is not None:
-                raise lost
-            raise ProgramFailed(member.rank or 0, describe_status(code))
+            raise self._cause(member, describe_status(code))
         return {"rank": member.rank, "exit_code": 0, "program": self.program[0]}
+
+    def _cause(self, member: Member, status: str) -> RendezvousError:
+        """Why this member's program failed. A program often fails because a peer's did (a
+        collective's socket closed), so every member whose program fails says in etcd when
+        it ended, and the one that ended first is named (hosts' clocks are assumed in step
+        to well under the time a failure takes to spread). Once every member's program
+        failed, that is known at once. Otherwise a member waits up to a TTL + 2 s for a
+        lost member (killed: it says nothing) and names that, or else the first failure
+        seen (itself, perhaps). A member gone after its program failed (its key's last
+        state says so) is not a loss here: it failed like us."""
+        rank = member.rank or 0
+        prefix = f"{member.keys.job}command/{member.round}/failed/"
+        ended = self._ended_at
+        said = json.dumps({"status": status[:200], "at": ended})
+        revision = member.etcd.put(f"{prefix}{rank:06d}", said, member.lease_id)
+        mine = (ended, revision)
+        changed, lock = threading.Event(), threading.Lock()
+        seen: dict[int, tuple[float, int, str]] = {}  # kept: a member gone takes its key along
+
+        def heard(events: list[WatchEvent]) -> None:
+            said = [KeyValue(e.key, e.value, e.create_revision, e.revision, 0) for e in events
+                    if e.kind == "put"]  # fmt: skip
+            with lock:
+                seen.update(failures(said, self.world_size))
+            changed.set()
+
+        member.on_trouble(lambda _: changed.set())
+        # From the round's start: every failure said in this round, even one whose member
+        # has left since (its key went with its lease).
+        watch = member.etcd.watch(prefix, heard, member.round, prefix=True, prev_kv=False)
+        deadline = time.monotonic() + member.ttl + 2.0
+        try:
+            while True:
+                now = failures(member.etcd.get_prefix(prefix)[0], self.world_size)
+                with lock:
+                    seen.update(now)
+                    failed = dict(seen)
+                gone = member.losses()
+                alike = {r for r, state in gone.items() if failed_in_program(state)}
+                lost = sorted(set(gone) - alike - set(failed))
+                if lost:
+                    return MemberLost(lost[0], "program", loss_reason(gone[lost[0]]))
+                remaining = deadline - time.monotonic()
+                if len(set(failed) | alike) == self.world_size or remaining <= 0:
+                    first = min(failed, key=lambda r: failed[r][:2], default=rank)
+                    if first == rank or failed[first][:2] >= mine:
+                        return ProgramFailed(rank, status)
+                    why = failed[first][2]
+                    return ProgramFailed(first, f"{why}; rank {rank}'s program then {status}")
+                changed.wait(remaining)
+                changed.clear()
+        finally:
+            watch.cancel()
 
     def _wait_for_exit(self, group: ProgramGroup) -> None:
         group.wait()
+        self._ended_at = time.time()
         self._wake.set()
 
     def _release_port(self) -> None:

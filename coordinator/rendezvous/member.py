@@ -578,6 +578,10 @@ class Member:
         rank, (state, phase) = next(iter(self._lost.items()))
         return MemberLost(rank, phase, loss_reason(state))
 
+    def losses(self) -> dict[int, dict[str, Any]]:
+        """Each member lost so far (not excused), with its last state (`loss_reason`)."""
+        return {rank: dict(state) for rank, (state, _) in list(self._lost.items())}
+
     def _raise_if_lost(self) -> None:
         if self._lost:
             rank, (state, phase) = next(iter(self._lost.items()))

@@ -1,5 +1,8 @@
 """A program that blocks: every rank but 1 enters an all_reduce that rank 1 never joins.
 
+With CRASH_RANK_1 set, rank 1 exits 7 instead (a bug of its own), and the others'
+all_reduce fails with gloo's error: their programs fail because rank 1's did.
+
 Each rank first starts a grandchild (a sleeping Python) and writes both pids to
 $PIDS_DIR, so a test can check that nothing of the program outlives its member.
 """
@@ -19,6 +22,8 @@ with open(os.path.join(os.environ["PIDS_DIR"], f"rank{rank}"), "w") as handle:
     handle.write(f"{os.getpid()} {grandchild.pid}\n")
 print(f"rank {rank} entering all_reduce" if rank != 1 else "rank 1 idle", flush=True)
 if rank == 1:
+    if os.environ.get("CRASH_RANK_1"):
+        sys.exit(7)
     time.sleep(600)
 dist.all_reduce(torch.ones(1))
 print("all_reduce returned", flush=True)
