@@ -328,6 +328,37 @@ def test_a_declared_2_to_the_40_payload_is_refused_before_a_byte_is_read() -> No
         assert "expected 60 bytes" in s.server.trainers[0].gone
 
 
+def test_push_pull_answers_the_weights_with_the_gradient_applied_and_is_checked() -> None:
+    with served() as s:
+        s.server._chunks = [slice(0, 4), slice(4, 9), slice(9, SIZE)]  # streamed in 3 slices
+        start, weights = pull_weights(s)
+        grad = torch.ones(SIZE).numpy().tobytes()
+        with authenticated(s) as sock:  # a trainer: gradient in, weights out, one request
+            sock.sendall(hello(0) + frame(Kind.PUSH_PULL, start, 1, grad, dtype=Dtype.FLOAT32))
+            sock.sendall(frame(Kind.BYE))
+            sock.shutdown(socket.SHUT_WR)
+            replies = messages(read_until_closed(sock))
+        assert [r[0] for r in replies] == [Kind.WELCOME, Kind.WEIGHTS, Kind.ACK]
+        _, version, staleness, fresh = replies[1]
+        assert (version, staleness) == (start + 1, 0)
+        expected = torch.frombuffer(bytearray(weights), dtype=torch.float32) - 0.1
+        assert torch.equal(torch.frombuffer(bytearray(fresh), dtype=torch.float32), expected)
+        assert pull_weights(s) == (version, fresh)
+        cut = frame(Kind.PUSH_PULL, version, 2, grad[:30], dtype=Dtype.FLOAT32, size=SIZE * 4)
+        for opening, data in (
+            (hello(1), cut),  # a trainer sends half a gradient and is gone: nothing published
+            (hello(None), frame(Kind.PUSH_PULL, version, 1, grad, dtype=Dtype.FLOAT32)),
+        ):
+            with authenticated(s) as sock:
+                sock.sendall(opening + data)
+                sock.shutdown(socket.SHUT_WR)
+                kinds = [r[0] for r in messages(read_until_closed(sock))]
+            assert Kind.WEIGHTS not in kinds and Kind.ACK not in kinds, kinds
+        assert pull_weights(s) == (version, fresh)
+        assert s.server.optimizer.steps == 1
+        assert s.server.trainers[1].gone
+
+
 def test_an_absurd_pull_is_an_error_not_a_wait() -> None:
     with served() as s:
         with authenticated(s) as sock:

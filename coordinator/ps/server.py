@@ -42,6 +42,7 @@ from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
 
 MAX_CLOCK = 1 << 40  # a trainer's clock in a PUSH: far beyond any job, far below overflow
+CHUNK = 65536  # float32 values (256 kB) a streamed update receives, then applies, at a time
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,10 @@ class _Published:
     def writable(self) -> torch.Tensor:
         return self._free.pop() if self._free else torch.empty_like(self.current)
 
+    def discard(self, buffer: torch.Tensor) -> None:
+        """A buffer from `writable` that will not be published after all."""
+        self._free.append(buffer)
+
     def publish(self, buffer: torch.Tensor) -> None:
         old, self.current = self.current, buffer
         if id(old) not in self._borrowers:
@@ -150,6 +155,10 @@ class ParameterServer:
         self.started = time.monotonic()
         self.changed = threading.Condition()
         self._steps: dict[int, _Step] = {}
+        self._updating = threading.Lock()  # one update at a time; taken before `changed`
+        self._chunks = [
+            slice(start, min(start + CHUNK, self.size)) for start in range(0, self.size, CHUNK)
+        ]
         self._closed = False
         if resume and checkpoint is not None and checkpoint.exists():
             self._restore(checkpoint)
@@ -206,16 +215,11 @@ class ParameterServer:
     def _serve(self, sock: socket.socket, trainer: int | None) -> None:
         grad = torch.empty(self.size)
         while True:
-            header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.BYE)
+            header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.BYE)
             if header.kind == Kind.PULL:
                 wire.expect_no_payload(header)
-                weights, version = self._borrow_at_least(header.a, sock.gettimeout())
-                try:
-                    wire.send(sock, Kind.WEIGHTS, version, 0, [_view(weights)], Dtype.FLOAT32)
-                finally:
-                    with self.changed:
-                        self.weights.give_back(weights)
-            elif header.kind == Kind.PUSH:
+                self._send_weights(sock, header.a, 0)
+            elif header.kind in (Kind.PUSH, Kind.PUSH_PULL):
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
                 if header.a > self.version:  # versions only grow: checked before reading
@@ -224,13 +228,20 @@ class ParameterServer:
                     )
                 if not 0 < header.b <= MAX_CLOCK:
                     raise ProtocolError(f"PUSH clock {header.b} is out of range")
-                wire.receive_tensor(sock, header, _view(grad))
                 if self.aggregate:
+                    wire.receive_tensor(sock, header, _view(grad))
                     version, staleness = self._aggregate(trainer, header.b, header.a, grad)
                     grad = torch.empty(self.size)  # the step keeps the old buffer
-                    wire.send(sock, Kind.ACK, version, staleness)
-                else:
+                elif header.kind == Kind.PUSH:  # ACK first, then update
+                    wire.receive_tensor(sock, header, _view(grad))
                     self._apply(sock, trainer, header.b, header.a, grad)
+                    continue
+                else:
+                    version, staleness = self._stream(sock, header, trainer, grad)
+                if header.kind == Kind.PUSH:
+                    wire.send(sock, Kind.ACK, version, staleness)
+                else:  # the weights with this gradient applied, in the same round trip
+                    self._send_weights(sock, version, staleness)
             else:
                 wire.expect_no_payload(header)
                 with self.changed:
@@ -240,6 +251,16 @@ class ParameterServer:
                     self.changed.notify_all()
                 wire.send(sock, Kind.ACK, self.version, 0)
                 return
+
+    def _send_weights(self, sock: socket.socket, least: int, b: int) -> None:
+        """WEIGHTS: the published weights once at `least` versions, sent without the lock
+        and without a copy; `b` goes in the header (a PUSH_PULL's staleness)."""
+        weights, version = self._borrow_at_least(least, sock.gettimeout())
+        try:
+            wire.send(sock, Kind.WEIGHTS, version, b, [_view(weights)], Dtype.FLOAT32)
+        finally:
+            with self.changed:
+                self.weights.give_back(weights)
 
     def _borrow_at_least(self, least: int, timeout: float | None) -> tuple[torch.Tensor, int]:
         """The published weights once at `least` versions, waiting at most `timeout`."""
@@ -257,14 +278,47 @@ class ParameterServer:
     def _apply(
         self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
     ) -> None:
-        """ACK first, then update, under the lock: the trainer goes on at once, and any pull
-        (taking the lock) still sees every gradient acknowledged before it. The ACK is 32
-        bytes to a trainer that waits for it, so sending it never blocks."""
-        with self.changed:
+        """A PUSH: ACK first, then update, under the lock: the trainer goes on at once, and
+        any pull (taking the lock) still sees every gradient acknowledged before it. The ACK
+        is 32 bytes to a trainer that waits for it, so sending it never blocks."""
+        with self._updating, self.changed:
             applied = Applied(trainer, clock, computed_from, self.version, self._now())
             wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
             self._update(grad, [applied])
             self.trainers[trainer].clock = clock
+
+    def _stream(
+        self, sock: socket.socket, header: wire.Header, trainer: int, grad: torch.Tensor
+    ) -> tuple[int, int]:
+        """Receive a PUSH_PULL's gradient slice by slice, applying the optimizer to each slice as
+        it arrives (the update overlaps the receive and reads bytes still in the cache),
+        into a free buffer; then publish it. Returns the new version and the staleness.
+
+        One update at a time (`_updating`); the condition lock is never held while reading
+        the socket, so pulls go on taking the published weights meanwhile. A gradient cut
+        short publishes nothing and leaves the optimizer's state as it was."""
+        wire.check_tensor(header, self.size * 4)
+        view = _view(grad)
+        with self._updating:
+            with self.changed:
+                base, out = self.weights.current, self.weights.writable()
+                applied_at = self.version
+            self.optimizer.begin()
+            try:
+                for part in self._chunks:
+                    wire.receive_into(sock, view[part])
+                    self.optimizer.step_slice(part, base, grad, out)
+            except BaseException:
+                self.optimizer.abort()
+                with self.changed:
+                    self.weights.discard(out)
+                raise
+            with self.changed:
+                applied = Applied(trainer, header.b, header.a, applied_at, self._now())
+                self.optimizer.commit()
+                self._publish(out, [applied])
+                self.trainers[trainer].clock = header.b
+                return self.version, applied.staleness
 
     def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
@@ -307,6 +361,10 @@ class ParameterServer:
         """One optimizer step with `grad` (called under the lock)."""
         updated = self.weights.writable()
         self.optimizer.step(self.weights.current, grad, out=updated)
+        self._publish(updated, rows)
+
+    def _publish(self, updated: torch.Tensor, rows: list[Applied]) -> None:
+        """`updated` becomes the published weights, one version later (under the lock)."""
         self.weights.publish(updated)
         self.version += 1
         self.log.extend(rows)
