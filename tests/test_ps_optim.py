@@ -78,32 +78,3 @@ def test_an_update_never_writes_weights_a_pull_is_still_sending() -> None:
         published.publish(target)
     published.give_back(sending)  # sent: now it may be written again
     assert any(published.writable() is sending for _ in range(3))
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_a_step_slice_by_slice_equals_the_whole_step_and_an_aborted_one_changes_nothing(
-    name: str,
-) -> None:
-    spec = SPECS[name]
-    generator = torch.Generator().manual_seed(2)
-    start = torch.randn(1000, generator=generator)
-    grads = [torch.randn(1000, generator=generator) for _ in range(4)]
-    whole, sliced = FlatOptimizer(spec, 1000), FlatOptimizer(spec, 1000)
-    a, b = start.clone(), start.clone()
-    parts = [slice(0, 256), slice(256, 512), slice(512, 999), slice(999, 1000)]
-    for grad in grads:
-        sliced.begin()  # a step cut short: neither the state nor the step count moves
-        sliced.step_slice(parts[0], b, torch.full((1000,), 1e3), torch.empty(1000))
-        sliced.abort()
-        out_a, out_b = torch.empty(1000), torch.empty(1000)
-        whole.step(a, grad, out=out_a)
-        sliced.begin()
-        for part in reversed(parts):
-            sliced.step_slice(part, b, grad, out_b)
-        sliced.commit()
-        assert torch.equal(out_a, out_b)
-        a, b = out_a, out_b
-    assert whole.steps == sliced.steps == len(grads)
-    for key, value in whole.state_dict().items():
-        other = sliced.state_dict()[key]
-        assert torch.equal(value, other) if torch.is_tensor(value) else value == other

@@ -330,7 +330,6 @@ def test_a_declared_2_to_the_40_payload_is_refused_before_a_byte_is_read() -> No
 
 def test_push_pull_answers_the_weights_with_the_gradient_applied_and_is_checked() -> None:
     with served() as s:
-        s.server._chunks = [slice(0, 4), slice(4, 9), slice(9, SIZE)]  # streamed in 3 slices
         start, weights = pull_weights(s)
         grad = torch.ones(SIZE).numpy().tobytes()
         with authenticated(s) as sock:  # a trainer: gradient in, weights out, one request
@@ -344,19 +343,21 @@ def test_push_pull_answers_the_weights_with_the_gradient_applied_and_is_checked(
         expected = torch.frombuffer(bytearray(weights), dtype=torch.float32) - 0.1
         assert torch.equal(torch.frombuffer(bytearray(fresh), dtype=torch.float32), expected)
         assert pull_weights(s) == (version, fresh)
-        cut = frame(Kind.PUSH_PULL, version, 2, grad[:30], dtype=Dtype.FLOAT32, size=SIZE * 4)
-        for opening, data in (
-            (hello(1), cut),  # a trainer sends half a gradient and is gone: nothing published
-            (hello(None), frame(Kind.PUSH_PULL, version, 1, grad, dtype=Dtype.FLOAT32)),
-        ):
-            with authenticated(s) as sock:
-                sock.sendall(opening + data)
-                sock.shutdown(socket.SHUT_WR)
-                kinds = [r[0] for r in messages(read_until_closed(sock))]
-            assert Kind.WEIGHTS not in kinds and Kind.ACK not in kinds, kinds
+        with authenticated(s) as sock:  # a reader may not push
+            sock.sendall(hello(None) + frame(Kind.PUSH_PULL, version, 1, grad, dtype=Dtype.FLOAT32))
+            sock.shutdown(socket.SHUT_WR)
+            refused = messages(read_until_closed(sock))
+        assert [r[0] for r in refused] == [Kind.WELCOME, Kind.ERROR]
+        assert b"a reader cannot push" in refused[1][3]
+        with authenticated(s) as sock:  # not the layout's size: refused before reading it
+            sock.sendall(
+                hello(1) + frame(Kind.PUSH_PULL, version, 1, grad[:8], dtype=Dtype.FLOAT32)
+            )
+            sock.shutdown(socket.SHUT_WR)
+            assert [r[0] for r in messages(read_until_closed(sock))] == [Kind.WELCOME]
         assert pull_weights(s) == (version, fresh)
         assert s.server.optimizer.steps == 1
-        assert s.server.trainers[1].gone
+        assert "expected 60 bytes" in s.server.trainers[1].gone
 
 
 def test_an_absurd_pull_is_an_error_not_a_wait() -> None:

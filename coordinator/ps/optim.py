@@ -30,89 +30,46 @@ class OptimizerSpec:
 
 
 class FlatOptimizer:
-    """The optimizer state of one flat parameter, and its out-of-place step.
-
-    A step may go slice by slice (`begin`, `step_slice` over disjoint slices covering
-    the tensor, `commit`), so a server can update each part of the gradient as it
-    arrives. The new optimizer state is written beside the current one and becomes
-    current only at `commit`: a step abandoned half-way (`abort`, or simply never
-    committed) leaves the state as it was. Adam counts the step once, at `commit`.
-    """
+    """The optimizer state of one flat parameter, and its out-of-place step."""
 
     def __init__(self, spec: OptimizerSpec, size: int) -> None:
         if spec.name not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, not {spec.name!r}")
         self.name, self.lr, self.momentum = spec.name, spec.lr, spec.momentum
         self.steps = 0
-        names = ["exp_avg", "exp_avg_sq"] if self.name == "adam" else []
-        if self.name == "sgd" and self.momentum:
-            names = ["momentum"]
-        #: The committed state; `_next` is where a step writes the state after it.
-        self.buffers: dict[str, torch.Tensor] = {name: torch.zeros(size) for name in names}
-        self._next: dict[str, torch.Tensor] = {name: torch.zeros(size) for name in names}
-        self._denominator = torch.empty(size) if self.name == "adam" else None
-        self._open = False
+        self.buffers: dict[str, torch.Tensor] = {}
+        if self.name == "adam":
+            self.buffers = {"exp_avg": torch.zeros(size), "exp_avg_sq": torch.zeros(size)}
+            self._denominator = torch.empty(size)
+        elif self.momentum:
+            self.buffers = {"momentum": torch.empty(size)}
 
     @torch.no_grad()
     def step(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
         """`out` = `weights` after one step with `grad`; `weights` is only read."""
-        self.begin()
-        self.step_slice(slice(0, weights.numel()), weights, grad, out)
-        self.commit()
-
-    def begin(self) -> None:
-        """Start a step; then `step_slice` over the whole tensor, then `commit`."""
-        self._open = True
-
-    @torch.no_grad()
-    def step_slice(
-        self, part: slice, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """`out[part]` = `weights[part]` after this step with `grad[part]` (the slice's
-        elements of the step; the other slices are independent of it)."""
-        assert self._open, "step_slice outside begin() ... commit()"
-        steps = self.steps + 1  # the step being taken
-        w, g, o = weights[part], grad[part], out[part]
-        if self.name == "adam":
-            self._adam(part, steps, w, g, o)
-            return
-        direction = g
-        if self.momentum:
-            old, new = self.buffers["momentum"][part], self._next["momentum"][part]
-            if steps == 1:
-                new.copy_(g)
-            else:
-                torch.mul(old, self.momentum, out=new).add_(g)
-            direction = new
-        torch.add(w, direction, alpha=-self.lr, out=o)
-
-    def _adam(
-        self, part: slice, steps: int, w: torch.Tensor, g: torch.Tensor, o: torch.Tensor
-    ) -> None:
-        beta1, beta2 = ADAM_BETAS
-        exp_avg = torch.lerp(
-            self.buffers["exp_avg"][part], g, 1 - beta1, out=self._next["exp_avg"][part]
-        )
-        exp_avg_sq = torch.mul(
-            self.buffers["exp_avg_sq"][part], beta2, out=self._next["exp_avg_sq"][part]
-        )
-        exp_avg_sq.addcmul_(g, g, value=1 - beta2)
-        step_size = self.lr / (1 - beta1**steps)
-        assert self._denominator is not None
-        denominator = torch.sqrt(exp_avg_sq, out=self._denominator[part])
-        denominator.div_(math.sqrt(1 - beta2**steps)).add_(ADAM_EPS)
-        torch.addcdiv(w, exp_avg, denominator, value=-step_size, out=o)
-
-    def commit(self) -> None:
-        """The step's state becomes current; the step is counted."""
-        assert self._open, "commit without begin()"
-        self.buffers, self._next = self._next, self.buffers
         self.steps += 1
-        self._open = False
+        if self.name == "adam":
+            self._adam(weights, grad, out)
+            return
+        direction = grad
+        if self.momentum:
+            buffer = self.buffers["momentum"]
+            if self.steps == 1:
+                buffer.copy_(grad)
+            else:
+                buffer.mul_(self.momentum).add_(grad)
+            direction = buffer
+        torch.add(weights, direction, alpha=-self.lr, out=out)
 
-    def abort(self) -> None:
-        """Forget a step begun and not committed: the state stays as before it."""
-        self._open = False
+    def _adam(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+        beta1, beta2 = ADAM_BETAS
+        exp_avg, exp_avg_sq = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = self.lr / (1 - beta1**self.steps)
+        denominator = torch.sqrt(exp_avg_sq, out=self._denominator)
+        denominator.div_(math.sqrt(1 - beta2**self.steps)).add_(ADAM_EPS)
+        torch.addcdiv(weights, exp_avg, denominator, value=-step_size, out=out)
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr, "steps": self.steps, **self.buffers}

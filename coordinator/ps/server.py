@@ -5,7 +5,9 @@ connection). A gradient is applied as it arrives, under one lock, with the
 chosen optimizer; its staleness (server version at apply minus the version the
 trainer computed it from) is logged. With `aggregate`, the gradients of one
 step from every live trainer are averaged, in trainer order, into one update,
-and each trainer's ACK waits for it: synchronous SGD.
+and each trainer's ACK waits for it: synchronous SGD. A PUSH_PULL is a PUSH answered
+by the weights with that gradient applied (WEIGHTS, b = the staleness) instead of the
+ACK: a trainer's push and next pull in one round trip.
 
 Published weights are never written again: an update reads them and writes
 the next weights into a free buffer (`optim.FlatOptimizer`), which it then
@@ -42,7 +44,6 @@ from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
 
 MAX_CLOCK = 1 << 40  # a trainer's clock in a PUSH: far beyond any job, far below overflow
-CHUNK = 65536  # float32 values (256 kB) a streamed update receives, then applies, at a time
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,6 @@ class _Published:
     def writable(self) -> torch.Tensor:
         return self._free.pop() if self._free else torch.empty_like(self.current)
 
-    def discard(self, buffer: torch.Tensor) -> None:
-        """A buffer from `writable` that will not be published after all."""
-        self._free.append(buffer)
-
     def publish(self, buffer: torch.Tensor) -> None:
         old, self.current = self.current, buffer
         if id(old) not in self._borrowers:
@@ -155,10 +152,6 @@ class ParameterServer:
         self.started = time.monotonic()
         self.changed = threading.Condition()
         self._steps: dict[int, _Step] = {}
-        self._updating = threading.Lock()  # one update at a time; taken before `changed`
-        self._chunks = [
-            slice(start, min(start + CHUNK, self.size)) for start in range(0, self.size, CHUNK)
-        ]
         self._closed = False
         if resume and checkpoint is not None and checkpoint.exists():
             self._restore(checkpoint)
@@ -218,7 +211,7 @@ class ParameterServer:
             header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.BYE)
             if header.kind == Kind.PULL:
                 wire.expect_no_payload(header)
-                self._send_weights(sock, header.a, 0)
+                self._send(sock, *self._borrow_at_least(header.a, sock.gettimeout()), 0)
             elif header.kind in (Kind.PUSH, Kind.PUSH_PULL):
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
@@ -228,20 +221,18 @@ class ParameterServer:
                     )
                 if not 0 < header.b <= MAX_CLOCK:
                     raise ProtocolError(f"PUSH clock {header.b} is out of range")
+                wire.receive_tensor(sock, header, _view(grad))
                 if self.aggregate:
-                    wire.receive_tensor(sock, header, _view(grad))
                     version, staleness = self._aggregate(trainer, header.b, header.a, grad)
                     grad = torch.empty(self.size)  # the step keeps the old buffer
-                elif header.kind == Kind.PUSH:  # ACK first, then update
-                    wire.receive_tensor(sock, header, _view(grad))
+                    if header.kind == Kind.PUSH:
+                        wire.send(sock, Kind.ACK, version, staleness)
+                    else:  # the step's weights (or later ones), in the same round trip
+                        self._send(sock, *self._borrow_at_least(version, None), staleness)
+                elif header.kind == Kind.PUSH:
                     self._apply(sock, trainer, header.b, header.a, grad)
-                    continue
                 else:
-                    version, staleness = self._stream(sock, header, trainer, grad)
-                if header.kind == Kind.PUSH:
-                    wire.send(sock, Kind.ACK, version, staleness)
-                else:  # the weights with this gradient applied, in the same round trip
-                    self._send_weights(sock, version, staleness)
+                    self._apply_and_borrow(sock, trainer, header.b, header.a, grad)
             else:
                 wire.expect_no_payload(header)
                 with self.changed:
@@ -252,10 +243,9 @@ class ParameterServer:
                 wire.send(sock, Kind.ACK, self.version, 0)
                 return
 
-    def _send_weights(self, sock: socket.socket, least: int, b: int) -> None:
-        """WEIGHTS: the published weights once at `least` versions, sent without the lock
-        and without a copy; `b` goes in the header (a PUSH_PULL's staleness)."""
-        weights, version = self._borrow_at_least(least, sock.gettimeout())
+    def _send(self, sock: socket.socket, weights: torch.Tensor, version: int, b: int) -> None:
+        """WEIGHTS: a borrowed buffer, sent without the lock and without a copy, then given
+        back; `b` is 0 after a PULL, the staleness after a PUSH_PULL."""
         try:
             wire.send(sock, Kind.WEIGHTS, version, b, [_view(weights)], Dtype.FLOAT32)
         finally:
@@ -278,47 +268,26 @@ class ParameterServer:
     def _apply(
         self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
     ) -> None:
-        """A PUSH: ACK first, then update, under the lock: the trainer goes on at once, and
-        any pull (taking the lock) still sees every gradient acknowledged before it. The ACK
-        is 32 bytes to a trainer that waits for it, so sending it never blocks."""
-        with self._updating, self.changed:
+        """ACK first, then update, under the lock: the trainer goes on at once, and any pull
+        (taking the lock) still sees every gradient acknowledged before it. The ACK is 32
+        bytes to a trainer that waits for it, so sending it never blocks."""
+        with self.changed:
             applied = Applied(trainer, clock, computed_from, self.version, self._now())
             wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
             self._update(grad, [applied])
             self.trainers[trainer].clock = clock
 
-    def _stream(
-        self, sock: socket.socket, header: wire.Header, trainer: int, grad: torch.Tensor
-    ) -> tuple[int, int]:
-        """Receive a PUSH_PULL's gradient slice by slice, applying the optimizer to each slice as
-        it arrives (the update overlaps the receive and reads bytes still in the cache),
-        into a free buffer; then publish it. Returns the new version and the staleness.
-
-        One update at a time (`_updating`); the condition lock is never held while reading
-        the socket, so pulls go on taking the published weights meanwhile. A gradient cut
-        short publishes nothing and leaves the optimizer's state as it was."""
-        wire.check_tensor(header, self.size * 4)
-        view = _view(grad)
-        with self._updating:
-            with self.changed:
-                base, out = self.weights.current, self.weights.writable()
-                applied_at = self.version
-            self.optimizer.begin()
-            try:
-                for part in self._chunks:
-                    wire.receive_into(sock, view[part])
-                    self.optimizer.step_slice(part, base, grad, out)
-            except BaseException:
-                self.optimizer.abort()
-                with self.changed:
-                    self.weights.discard(out)
-                raise
-            with self.changed:
-                applied = Applied(trainer, header.b, header.a, applied_at, self._now())
-                self.optimizer.commit()
-                self._publish(out, [applied])
-                self.trainers[trainer].clock = header.b
-                return self.version, applied.staleness
+    def _apply_and_borrow(
+        self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
+    ) -> None:
+        """A PUSH_PULL: update under the lock, then send the weights just published (this
+        gradient applied: read-your-writes) in the same round trip, without the lock."""
+        with self.changed:
+            applied = Applied(trainer, clock, computed_from, self.version, self._now())
+            self._update(grad, [applied])
+            self.trainers[trainer].clock = clock
+            weights, version = self.weights.borrow(), self.version
+        self._send(sock, weights, version, applied.staleness)
 
     def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
@@ -361,10 +330,6 @@ class ParameterServer:
         """One optimizer step with `grad` (called under the lock)."""
         updated = self.weights.writable()
         self.optimizer.step(self.weights.current, grad, out=updated)
-        self._publish(updated, rows)
-
-    def _publish(self, updated: torch.Tensor, rows: list[Applied]) -> None:
-        """`updated` becomes the published weights, one version later (under the lock)."""
         self.weights.publish(updated)
         self.version += 1
         self.log.extend(rows)

@@ -37,12 +37,12 @@ class Kind(IntEnum):
     HELLO = 1  # trainer -> server: JSON {job, round, rank, role, layout}
     WELCOME = 2  # server -> trainer: a = version, b = the trainer's clock; JSON {server}
     PULL = 3  # trainer -> server: a = the least version wanted
-    WEIGHTS = 4  # server -> trainer: a = version; float32 payload; b = 0 (PUSH_PULL: staleness)
+    WEIGHTS = 4  # server -> trainer: a = version, b = 0 (after PUSH_PULL: staleness); float32
     PUSH = 5  # trainer -> server: a = version computed from, b = trainer clock; float32
     ACK = 6  # server -> trainer: a = version after applying, b = staleness
     BYE = 7  # trainer -> server: done
     ERROR = 8  # either way: JSON {message}
-    PUSH_PULL = 9  # trainer -> server: as PUSH; answered by WEIGHTS, b = staleness
+    PUSH_PULL = 9  # trainer -> server: as PUSH; answered by WEIGHTS with b = staleness
 
 
 class Dtype(IntEnum):
@@ -155,18 +155,13 @@ def receive_json(sock: socket.socket, header: Header) -> dict[str, Any]:
     return body
 
 
-def check_tensor(header: Header, nbytes: int) -> None:
-    """The header declares a float32 payload of exactly `nbytes` (checked before reading)."""
-    if header.dtype != Dtype.FLOAT32 or header.size != nbytes:
-        raise ProtocolError(
-            f"{header.kind.name}: expected {nbytes} bytes of float32, got {header.size} "
-            f"bytes of {header.dtype.name}"
-        )
-
-
 def receive_tensor(sock: socket.socket, header: Header, into: memoryview) -> None:
     """A float32 payload of exactly `into`'s size, received straight into it."""
-    check_tensor(header, into.nbytes)
+    if header.dtype != Dtype.FLOAT32 or header.size != into.nbytes:
+        raise ProtocolError(
+            f"{header.kind.name}: expected {into.nbytes} bytes of float32, got {header.size} "
+            f"bytes of {header.dtype.name}"
+        )
     receive_into(sock, into)
 
 
