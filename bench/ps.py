@@ -10,10 +10,13 @@
    separate processes, as in a job. Pull + push runs twice: over a connection
    that went through the member endpoint's handshake (as in a job), and over a
    plain one to the same server (the figure without it); the handshake is once
-   per connection. The three alternate in blocks of 20 round trips, and each
-   figure is the median of the blocks' ratios: this machine's speed drifts
-   between runs by 2x, within a block hardly. Then one handshake is timed
-   (connect + both proofs) against a plain connect, `--handshakes` times each.
+   per connection. A third time, after the handshake, as a trainer's loop does it
+   with `push(pull=True)`: one PUSH_PULL request per step, the gradient in and the
+   weights with it applied back (the fused row). The four alternate in blocks of
+   20 round trips, and each figure is the median of the blocks' ratios: this
+   machine's speed drifts between runs by 2x, within a block hardly. Then one
+   handshake is timed (connect + both proofs) against a plain connect,
+   `--handshakes` times each.
 2. **Throughput.** The `mnist` job with 1 server + 2 trainers (real processes,
    embedded etcd) under ASP and under BSP, against one process training the same
    model on the same data, same batch size and epochs, with 2 threads, run
