@@ -10,10 +10,13 @@
    separate processes, as in a job. Pull + push runs twice: over a connection
    that went through the member endpoint's handshake (as in a job), and over a
    plain one to the same server (the figure without it); the handshake is once
-   per connection. The three alternate in blocks of 20 round trips, and each
-   figure is the median of the blocks' ratios: this machine's speed drifts
-   between runs by 2x, within a block hardly. Then one handshake is timed
-   (connect + both proofs) against a plain connect, `--handshakes` times each.
+   per connection. A third time, after the handshake, as a trainer's loop does it
+   with `push(pull=True)`: one PUSH_PULL request per step, the gradient in and the
+   weights with it applied back (the fused row). The four alternate in blocks of
+   20 round trips, and each figure is the median of the blocks' ratios: this
+   machine's speed drifts between runs by 2x, within a block hardly. Then one
+   handshake is timed (connect + both proofs) against a plain connect,
+   `--handshakes` times each.
 2. **Throughput.** The `mnist` job with 1 server + 2 trainers (real processes,
    embedded etcd) under ASP and under BSP, against one process training the same
    model on the same data, same batch size and epochs, with 2 threads, run
@@ -112,17 +115,26 @@ class Transport:
     plain: float  # pull + push on a connection without the handshake
     authenticated: float  # pull + push on a connection after the handshake
     floor_ratio: float  # raw / authenticated
+    fused: float  # push and pull in one request (PUSH_PULL), after the handshake
+    fused_ratio: float  # raw / fused
     auth_ratio: float  # authenticated / plain
     connect: float  # a plain TCP connect
     handshake: float  # a connect and the handshake both ways
 
 
-def _round_trips(links: ServerLinks, count: int, step: int) -> list[float]:
+def _round_trips(links: ServerLinks, count: int, step: int, fused: bool = False) -> list[float]:
+    """Seconds of each pull + push; `fused`: each a push and pull in one request (a
+    trainer's loop: the weights of step n + 1 come back with the gradient of step n)."""
     times = []
+    if fused:
+        links.pull()  # the first step's weights
     for clock in range(step + 1, step + count + 1):
         began = time.perf_counter()
-        links.pull()
-        links.push(clock)
+        if fused:
+            links.push_pull(clock)
+        else:
+            links.pull()
+            links.push(clock)
         times.append(time.perf_counter() - began)
     return times
 
@@ -151,8 +163,9 @@ def transport(blocks: int, handshakes: int, per_block: int = 20) -> Transport:
 
         authenticated = links(ps_port, 0, secret)
         plain = links(plain_port, 1, None)
-        times: dict[str, list[float]] = {"raw": [], "plain": [], "auth": []}
+        times: dict[str, list[float]] = {"raw": [], "plain": [], "auth": [], "fused": []}
         floor_ratios: list[float] = []
+        fused_ratios: list[float] = []
         auth_ratios: list[float] = []
         step = 0
         for _ in range(blocks):
@@ -166,10 +179,15 @@ def transport(blocks: int, handshakes: int, per_block: int = 20) -> Transport:
                 raw_block.append(time.perf_counter() - began)
             plain_block = _round_trips(plain, per_block, step)
             auth_block = _round_trips(authenticated, per_block, step)
-            step += per_block
+            fused_block = _round_trips(authenticated, per_block, step + per_block, fused=True)
+            step += 2 * per_block
             floor_ratios.append(statistics.median(raw_block) / statistics.median(auth_block))
+            fused_ratios.append(statistics.median(raw_block) / statistics.median(fused_block))
             auth_ratios.append(statistics.median(auth_block) / statistics.median(plain_block))
-            for name, block in (("raw", raw_block), ("plain", plain_block), ("auth", auth_block)):
+            for name, block in (
+                ("raw", raw_block), ("plain", plain_block), ("auth", auth_block),
+                ("fused", fused_block),
+            ):  # fmt: skip
                 times[name] += block
         for link in (authenticated, plain):
             link.bye()
@@ -182,6 +200,8 @@ def transport(blocks: int, handshakes: int, per_block: int = 20) -> Transport:
             plain=statistics.median(times["plain"]),
             authenticated=statistics.median(times["auth"]),
             floor_ratio=statistics.median(floor_ratios),
+            fused=statistics.median(times["fused"]),
+            fused_ratio=statistics.median(fused_ratios),
             auth_ratio=statistics.median(auth_ratios),
             connect=connect,
             handshake=shaken,
@@ -277,6 +297,12 @@ def main(
         f"{t.authenticated * 1e3:.3f}",
         f"{t.floor_ratio:.2f}",
         f"{t.auth_ratio:.2f}",
+    )
+    table.add_row(
+        "push + pull in one request (ours, fused)",
+        f"{t.fused * 1e3:.3f}",
+        f"{t.fused_ratio:.2f}",
+        "",
     )
     table.add_row(f"plain TCP connect (x{handshakes})", f"{t.connect * 1e3:.3f}", "", "")
     table.add_row(

@@ -59,7 +59,10 @@ def listening(servers: int, trainers: int, **options: object) -> tuple[list[ps.S
     return started, ps.Peers("job", 1, bound, SECRET)
 
 
-def test_aggregate_bsp_over_two_servers_equals_one_process_with_the_whole_batch() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["step", "push-pull"])
+def test_aggregate_bsp_over_two_servers_equals_one_process_with_the_whole_batch(
+    fused: bool,
+) -> None:
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     spec = ps.optimizer("sgd", 0.1, momentum=0.9)
@@ -70,8 +73,16 @@ def test_aggregate_bsp_over_two_servers_equals_one_process_with_the_whole_batch(
         try:
             with ps.trainer(mlp(), peers, index=index, timeout=10) as client:
                 part = slice(4 * index, 4 * index + 4)
+                if fused:  # one pull, then each step's push brings the next step's weights
+                    client.pull()
                 for _ in range(3):
-                    client.step(lambda m: functional.cross_entropy(m(x[part]), y[part]))
+                    if fused:
+                        client.zero_grad()
+                        functional.cross_entropy(client.model(x[part]), y[part]).backward()
+                        assert client.push(pull=True) == [0, 0]
+                        assert client.versions == [client.clock] * 2
+                    else:
+                        client.step(lambda m: functional.cross_entropy(m(x[part]), y[part]))
         except BaseException as exc:
             failures.append(exc)
 
@@ -101,6 +112,36 @@ def test_aggregate_bsp_over_two_servers_equals_one_process_with_the_whole_batch(
         flat.params[flat.slices[index]].copy_(server.snapshot()[0])
     for name, param in reference.named_parameters():
         torch.testing.assert_close(dict(final.named_parameters())[name], param)
+
+
+def test_push_with_pull_is_sgd_step_for_step_and_reads_its_own_update() -> None:
+    """One trainer, no aggregation: each push(pull=True) returns the weights with its own
+    gradient applied, so the trainer runs exactly the one-process SGD."""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    servers, peers = listening(2, 1, optimizer=ps.optimizer("sgd", 0.1, momentum=0.9))
+    reference = mlp()
+    optimiser = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    try:
+        with ps.trainer(mlp(), peers, index=0, timeout=10) as client:
+            client.pull()
+            for step in range(1, 4):
+                client.zero_grad()
+                functional.cross_entropy(client.model(x), y).backward()
+                assert client.push(pull=True) == [0, 0]
+                assert client.versions == [step, step]
+                optimiser.zero_grad()
+                functional.cross_entropy(reference(x), y).backward()
+                optimiser.step()
+                for ours, theirs in zip(
+                    client.model.parameters(), reference.parameters(), strict=True
+                ):
+                    torch.testing.assert_close(ours, theirs)
+        for server in servers:
+            server.wait(timeout=10)
+    finally:
+        for server in servers:
+            server.close()
 
 
 def test_a_trainer_without_the_rounds_secret_is_refused_and_given_grads_are_checked() -> None:

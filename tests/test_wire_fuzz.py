@@ -328,6 +328,38 @@ def test_a_declared_2_to_the_40_payload_is_refused_before_a_byte_is_read() -> No
         assert "expected 60 bytes" in s.server.trainers[0].gone
 
 
+def test_push_pull_answers_the_weights_with_the_gradient_applied_and_is_checked() -> None:
+    with served() as s:
+        start, weights = pull_weights(s)
+        grad = torch.ones(SIZE).numpy().tobytes()
+        with authenticated(s) as sock:  # a trainer: gradient in, weights out, one request
+            sock.sendall(hello(0) + frame(Kind.PUSH_PULL, start, 1, grad, dtype=Dtype.FLOAT32))
+            sock.sendall(frame(Kind.BYE))
+            sock.shutdown(socket.SHUT_WR)
+            replies = messages(read_until_closed(sock))
+        assert [r[0] for r in replies] == [Kind.WELCOME, Kind.WEIGHTS, Kind.ACK]
+        _, version, staleness, fresh = replies[1]
+        assert (version, staleness) == (start + 1, 0)
+        expected = torch.frombuffer(bytearray(weights), dtype=torch.float32) - 0.1
+        assert torch.equal(torch.frombuffer(bytearray(fresh), dtype=torch.float32), expected)
+        assert pull_weights(s) == (version, fresh)
+        with authenticated(s) as sock:  # a reader may not push
+            sock.sendall(hello(None) + frame(Kind.PUSH_PULL, version, 1, grad, dtype=Dtype.FLOAT32))
+            sock.shutdown(socket.SHUT_WR)
+            refused = messages(read_until_closed(sock))
+        assert [r[0] for r in refused] == [Kind.WELCOME, Kind.ERROR]
+        assert b"a reader cannot push" in refused[1][3]
+        with authenticated(s) as sock:  # not the layout's size: refused before reading it
+            sock.sendall(
+                hello(1) + frame(Kind.PUSH_PULL, version, 1, grad[:8], dtype=Dtype.FLOAT32)
+            )
+            sock.shutdown(socket.SHUT_WR)
+            assert [r[0] for r in messages(read_until_closed(sock))] == [Kind.WELCOME]
+        assert pull_weights(s) == (version, fresh)
+        assert s.server.optimizer.steps == 1
+        assert "expected 60 bytes" in s.server.trainers[1].gone
+
+
 def test_an_absurd_pull_is_an_error_not_a_wait() -> None:
     with served() as s:
         with authenticated(s) as sock:

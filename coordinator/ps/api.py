@@ -284,10 +284,14 @@ class Trainer:
         """The servers' versions at the last pull (what the next push is computed from)."""
         return list(self.links.versions)
 
-    def push(self, grads: Iterable[torch.Tensor | None] | None = None) -> list[int]:
+    def push(
+        self, grads: Iterable[torch.Tensor | None] | None = None, *, pull: bool = False
+    ) -> list[int]:
         """Send this step's gradients (the model's `.grad`, or `grads` in the order of
         `model.parameters()`), advancing the clock; the staleness each server recorded.
-        Under `aggregate` it returns once the step's averaged update is applied."""
+        Under `aggregate` it returns once the step's averaged update is applied.
+        `pull`: then the current weights into the model, in the same round trip (one
+        request per server instead of two; they include this gradient)."""
         if grads is not None:
             params = list(self.model.parameters())
             given = list(grads)
@@ -305,7 +309,7 @@ class Trainer:
                     target.copy_(grad)
         self.flat.check_grads_in_place()
         self.clock += 1
-        recorded = self.links.push(self.clock)
+        recorded = self.links.push_pull(self.clock) if pull else self.links.push(self.clock)
         for value in recorded:
             self.staleness[value] = self.staleness.get(value, 0) + 1
         return recorded

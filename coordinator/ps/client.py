@@ -94,6 +94,21 @@ class ServerLinks:
             staleness.append(wire.expect(sock, Kind.ACK).b)
         return staleness
 
+    def push_pull(self, clock: int) -> list[int]:
+        """`push`, then `pull` in the same round trip: each server applies the gradient and
+        answers with its weights, this gradient included; returns the staleness each
+        server recorded (the versions are in `versions`)."""
+        for index, sock in enumerate(self.socks):
+            share = self._share(self.flat.grads, self.servers[index])
+            wire.send(sock, Kind.PUSH_PULL, self.versions[index], clock, [share], Dtype.FLOAT32)
+        staleness = []
+        for index, sock in enumerate(self.socks):
+            header = wire.expect(sock, Kind.WEIGHTS)
+            wire.receive_tensor(sock, header, self._share(self.flat.params, self.servers[index]))
+            self.versions[index] = header.a
+            staleness.append(header.b)
+        return staleness
+
     def bye(self) -> None:
         for sock in self.socks:
             wire.send(sock, Kind.BYE)

@@ -5,7 +5,9 @@ connection). A gradient is applied as it arrives, under one lock, with the
 chosen optimizer; its staleness (server version at apply minus the version the
 trainer computed it from) is logged. With `aggregate`, the gradients of one
 step from every live trainer are averaged, in trainer order, into one update,
-and each trainer's ACK waits for it: synchronous SGD.
+and each trainer's ACK waits for it: synchronous SGD. A PUSH_PULL is a PUSH answered
+by the weights with that gradient applied (WEIGHTS, b = the staleness) instead of the
+ACK: a trainer's push and next pull in one round trip.
 
 Published weights are never written again: an update reads them and writes
 the next weights into a free buffer (`optim.FlatOptimizer`), which it then
@@ -206,16 +208,11 @@ class ParameterServer:
     def _serve(self, sock: socket.socket, trainer: int | None) -> None:
         grad = torch.empty(self.size)
         while True:
-            header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.BYE)
+            header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.BYE)
             if header.kind == Kind.PULL:
                 wire.expect_no_payload(header)
-                weights, version = self._borrow_at_least(header.a, sock.gettimeout())
-                try:
-                    wire.send(sock, Kind.WEIGHTS, version, 0, [_view(weights)], Dtype.FLOAT32)
-                finally:
-                    with self.changed:
-                        self.weights.give_back(weights)
-            elif header.kind == Kind.PUSH:
+                self._send(sock, *self._borrow_at_least(header.a, sock.gettimeout()), 0)
+            elif header.kind in (Kind.PUSH, Kind.PUSH_PULL):
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
                 if header.a > self.version:  # versions only grow: checked before reading
@@ -228,9 +225,14 @@ class ParameterServer:
                 if self.aggregate:
                     version, staleness = self._aggregate(trainer, header.b, header.a, grad)
                     grad = torch.empty(self.size)  # the step keeps the old buffer
-                    wire.send(sock, Kind.ACK, version, staleness)
-                else:
+                    if header.kind == Kind.PUSH:
+                        wire.send(sock, Kind.ACK, version, staleness)
+                    else:  # the step's weights (or later ones), in the same round trip
+                        self._send(sock, *self._borrow_at_least(version, None), staleness)
+                elif header.kind == Kind.PUSH:
                     self._apply(sock, trainer, header.b, header.a, grad)
+                else:
+                    self._apply_and_borrow(sock, trainer, header.b, header.a, grad)
             else:
                 wire.expect_no_payload(header)
                 with self.changed:
@@ -240,6 +242,15 @@ class ParameterServer:
                     self.changed.notify_all()
                 wire.send(sock, Kind.ACK, self.version, 0)
                 return
+
+    def _send(self, sock: socket.socket, weights: torch.Tensor, version: int, b: int) -> None:
+        """WEIGHTS: a borrowed buffer, sent without the lock and without a copy, then given
+        back; `b` is 0 after a PULL, the staleness after a PUSH_PULL."""
+        try:
+            wire.send(sock, Kind.WEIGHTS, version, b, [_view(weights)], Dtype.FLOAT32)
+        finally:
+            with self.changed:
+                self.weights.give_back(weights)
 
     def _borrow_at_least(self, least: int, timeout: float | None) -> tuple[torch.Tensor, int]:
         """The published weights once at `least` versions, waiting at most `timeout`."""
@@ -265,6 +276,18 @@ class ParameterServer:
             wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
             self.trainers[trainer].clock = clock  # before the update: its checkpoint has it
             self._update(grad, [applied])
+
+    def _apply_and_borrow(
+        self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
+    ) -> None:
+        """A PUSH_PULL: update under the lock, then send the weights just published (this
+        gradient applied: read-your-writes) in the same round trip, without the lock."""
+        with self.changed:
+            applied = Applied(trainer, clock, computed_from, self.version, self._now())
+            self._update(grad, [applied])
+            self.trainers[trainer].clock = clock
+            weights, version = self.weights.borrow(), self.version
+        self._send(sock, weights, version, applied.staleness)
 
     def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor

@@ -37,11 +37,12 @@ class Kind(IntEnum):
     HELLO = 1  # trainer -> server: JSON {job, round, rank, role, layout}
     WELCOME = 2  # server -> trainer: a = version, b = the trainer's clock; JSON {server}
     PULL = 3  # trainer -> server: a = the least version wanted
-    WEIGHTS = 4  # server -> trainer: a = version; float32 payload
+    WEIGHTS = 4  # server -> trainer: a = version, b = 0 (after PUSH_PULL: staleness); float32
     PUSH = 5  # trainer -> server: a = version computed from, b = trainer clock; float32
     ACK = 6  # server -> trainer: a = version after applying, b = staleness
     BYE = 7  # trainer -> server: done
     ERROR = 8  # either way: JSON {message}
+    PUSH_PULL = 9  # trainer -> server: as PUSH; answered by WEIGHTS with b = staleness
 
 
 class Dtype(IntEnum):
