@@ -337,6 +337,10 @@ class MnistJob:
         )
         passages: list[list[Any]] = []
         step_seconds: list[float] = []  # pull to push acknowledged: the simulator's trace
+        # ASP takes the weights there are, and BSP-aggregate's next weights are this step's
+        # averaged update: both may take them with the push, in one round trip.
+        fused = options.aggregate or options.spec.method == Method.ASP
+        fresh = False  # the model holds the weights the last push brought back
         waited = computed = 0.0
         reported = 0.0
         try:
@@ -349,7 +353,8 @@ class MnistJob:
                 passages.append([passage.clock, passage.slowest])
                 try:
                     pulled = time.perf_counter()
-                    client.pull()
+                    if not fresh:
+                        client.pull()
                     step_began = time.perf_counter()
                     batch = batch_rows(
                         options.seed, trainer, rows, options.batch_size, barrier.clock
@@ -362,7 +367,8 @@ class MnistJob:
                     if slow:
                         time.sleep(compute * slow)  # the straggler: its compute, made longer
                     client.clock = barrier.clock  # the barrier's clock is the step's truth
-                    client.push()
+                    client.push(pull=fused)
+                    fresh = fused
                     step_seconds.append(round(time.perf_counter() - pulled, 6))
                 except (OSError, ProtocolError) as exc:
                     self._explain(member, exc)
