@@ -164,7 +164,9 @@ def run(options: Options) -> None:
             )  # fmt: skip
             bar.advance(task)
     written = train_report.write_csvs(runs, targets, directory)
-    bound = f"{epochs:g} epochs" if epochs is not None else f"{options.virtual_seconds:g} virtual s"
+    bound = (
+        f"{epochs:g} epoch(s)" if epochs is not None else f"{options.virtual_seconds:g} virtual s"
+    )
     title = (
         f"{options.model}, P={options.workers}, batch {options.batch_size}, {bound}, "
         f"delay {options.delay}"

@@ -168,10 +168,11 @@ def plot(
     names = methods(runs)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     try:
-        for method in names:
+        for i, method in enumerate(names):
             times, mean, low, high = curve([run for run in runs if run.label == method])
-            line = ax.step(times, mean, where="post", label=method)[0]
-            ax.fill_between(times, low, high, step="post", alpha=0.2, color=line.get_color())
+            color = f"C{i % 10}"
+            ax.step(times, mean, where="post", label=method, color=color)
+            ax.fill_between(times, low, high, step="post", alpha=0.2, color=color)
         ax.set_xlabel("virtual seconds")
         ax.set_ylabel("test accuracy (mean, band: min-max over seeds)")
         if title:
@@ -190,16 +191,29 @@ def plot(
             xs, heights, errors = [], [], [[], []]
             for j, target in enumerate(targets):
                 row = next(r for r in rows if r.method == method and r.target == target)
-                if row.mean is None:
-                    continue
-                xs.append(j + (i - (len(names) - 1) / 2) * width)
-                heights.append(row.mean)
-                errors[0].append(0.0 if row.low is None else row.mean - row.low)
-                errors[1].append(0.0 if row.high is None else row.high - row.mean)
-            ax.bar(xs, heights, width, yerr=errors, capsize=3, label=method)
+                x = j + (i - (len(names) - 1) / 2) * width
+                # how many seeds reached it, over the bar (at the axis when none did)
+                ax.annotate(
+                    f"{row.reached}/{row.seeds}",
+                    (x, row.high or row.mean or 0.0),
+                    textcoords="offset points",
+                    xytext=(0, 2),
+                    ha="center",
+                    fontsize="x-small",
+                )
+                xs.append(
+                    x
+                )  # a bar of height 0 when no seed reached it (keeps the legend's colour)
+                heights.append(row.mean or 0.0)
+                errors[0].append(0.0 if row.low is None or row.mean is None else row.mean - row.low)
+                errors[1].append(
+                    0.0 if row.high is None or row.mean is None else row.high - row.mean
+                )
+            ax.bar(xs, heights, width, yerr=errors, capsize=3, label=method, color=f"C{i % 10}")
         ax.set_xticks(range(len(targets)), [f"{t:g}" for t in targets])
         ax.set_xlabel("target test accuracy")
         ax.set_ylabel("virtual seconds to reach it (95 % t-interval)")
+        ax.set_xlim(-0.5, len(targets) - 0.5)
         if title:
             ax.set_title(title, fontsize="medium")
         ax.grid(alpha=0.3, axis="y")
