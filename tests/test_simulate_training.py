@@ -22,6 +22,7 @@ from coordinator.ps.model import FlatModel  # noqa: E402
 from coordinator.ps.optim import OptimizerSpec  # noqa: E402
 from coordinator.simulator import train_report  # noqa: E402
 from coordinator.simulator.delays import Stragglers, parse_delay  # noqa: E402
+from coordinator.simulator.engine import Hooks, simulate  # noqa: E402
 from coordinator.simulator.training import TrainingData, initial_weights, train  # noqa: E402
 
 runner = CliRunner()
@@ -34,6 +35,37 @@ def data(workers: int, test_rows: int | None = 500) -> TrainingData:
 
 def cli(*args: str):
     return runner.invoke(app, ["simulate", *args], env={"COLUMNS": "200"})
+
+
+def test_engine_hooks_change_no_decision_and_stop_ends_the_run() -> None:
+    spec = BarrierSpec(Method.SSP, staleness=2)
+    plain = simulate(spec, 5, 30.0, seed=4)
+    seen: list[tuple[str, int, float]] = []
+    hooks = Hooks(
+        started=lambda w, t: seen.append(("start", w, t)),
+        completed=lambda w, t: seen.append(("done", w, t)),
+    )
+    hooked = simulate(spec, 5, 30.0, seed=4, hooks=hooks)
+    assert (hooked.final_step, hooked.wait_seconds, hooked.events) == (
+        plain.final_step, plain.wait_seconds, plain.events,
+    )  # fmt: skip
+    done = [t for kind, _, t in seen if kind == "done"]
+    assert len(done) == plain.events and done == sorted(done)
+    assert [w for kind, w, t in seen if kind == "start" and t == 0] == list(range(5))
+    never = simulate(spec, 5, 30.0, seed=4, hooks=Hooks(stop=lambda: False))
+    assert never.events == plain.events and never.seconds == 30.0
+    count: list[float] = []
+    stop_at: list[int] = []
+
+    def completed(w: int, t: float) -> None:
+        count.append(t)
+        if len(count) == 10:
+            stop_at.append(w)
+
+    early = simulate(
+        spec, 5, 30.0, seed=4, hooks=Hooks(completed=completed, stop=lambda: bool(stop_at))
+    )
+    assert early.events == 10 and early.seconds == count[9] == done[9]
 
 
 def test_the_same_command_twice_writes_the_same_accuracy_csv(tmp_path: Path) -> None:
@@ -85,7 +117,12 @@ def test_exactly_plain_synchronous_sgd(workers: int, method: Method, aggregate: 
     )  # fmt: skip
     assert run.updates == steps
     assert set(run.staleness) == {0}
-    expected = plain_sgd(shards, steps, seed, opt)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the simulator: two threads on a busy machine are much slower
+    try:
+        expected = plain_sgd(shards, steps, seed, opt)
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(run.weights, expected, rtol=1e-6, atol=1e-7)
 
 
