@@ -243,6 +243,16 @@ def test_simulate_writes_its_csv_and_says_how_to_get_the_plot(blocked: Blocked) 
     assert not (out / "steps.png").exists()
 
 
+def test_simulate_train_names_the_mnist_extra(blocked: Blocked) -> None:
+    """Training in virtual time needs PyTorch: refused (2) naming the option and the extra."""
+    out = blocked.cwd / "train"
+    ran = blocked.run("simulate", "--train", "mnist", "--workers", "2", "--barrier", "asp",
+                      "--out", str(out))  # fmt: skip
+    ran.check({2}, "--train", "torch is missing", "pip install")
+    assert extra("mnist") in " ".join(ran.output.split()), ran.output
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("args", "code", "needles"),
     [

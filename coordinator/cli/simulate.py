@@ -44,13 +44,86 @@ def simulate_barriers(
         str, typer.Option(help="per-check (fresh sample at each check) or per-step (one per wait)")
     ] = "per-check",
     out: Annotated[
-        str, typer.Option(help="directory for steps.csv and steps.png (the plot: extra sim)")
+        str,
+        typer.Option(
+            help="directory for steps.csv and steps.png (with --train: accuracy.csv, "
+            "time_to_accuracy.csv, staleness.csv, accuracy.png, time_to_accuracy.png; the "
+            "plots need the sim extra)"
+        ),
     ] = ".",
+    train: Annotated[
+        str | None,
+        typer.Option(
+            help="train a real model in virtual time: mnist (the extra mnist); --barrier also "
+            "takes bsp-agg (BSP, a step's gradients averaged into one update)",
+            show_default=False,
+        ),
+    ] = None,
+    seeds: Annotated[int, typer.Option(min=1, help="--train: runs per method (seeds seed..)")] = 3,
+    targets: Annotated[
+        str, typer.Option(help="--train: test accuracies for time_to_accuracy.csv, in (0, 1]")
+    ] = "0.8,0.85,0.9",
+    batch_size: Annotated[int, typer.Option(min=1, help="--train: batch per trainer step")] = 32,
+    epochs: Annotated[
+        float | None,
+        typer.Option(
+            help="--train: stop after this many passes over the training set "
+            "(default 1 unless --virtual-seconds)",
+            show_default=False,
+        ),
+    ] = None,
+    virtual_seconds: Annotated[
+        float | None,
+        typer.Option(help="--train: stop at this virtual time", show_default=False),
+    ] = None,
+    data: Annotated[
+        str, typer.Option(help="--train: 'digits' (builtin 5,000) or a directory of IDX files")
+    ] = "digits",
+    eval_seconds: Annotated[
+        float | None,
+        typer.Option(
+            help="--train: evaluate every this many virtual seconds "
+            "(default: about 20 points over an ASP-paced run)",
+            show_default=False,
+        ),
+    ] = None,
+    test_rows: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="--train: evaluate on the first N test images (default: all)",
+            show_default=False,
+        ),
+    ] = None,
+    lr: Annotated[float, typer.Option(help="--train: SGD learning rate")] = 0.02,
+    momentum: Annotated[float, typer.Option(help="--train: SGD momentum")] = 0.9,
+    latency: Annotated[
+        float, typer.Option(help="--train: one-way network latency per pull/push, seconds")
+    ] = 0.0005,
+    bandwidth: Annotated[
+        float, typer.Option(help="--train: network bandwidth, bytes per second")
+    ] = 1.25e9,
 ) -> None:
     """Simulate P workers under barrier methods; write DIR/steps.csv and DIR/steps.png (the
-    plot needs the sim extra)."""
+    plot needs the sim extra). With --train mnist, P trainers train the real model in virtual
+    time (see docs/simulator.md)."""
     # Imported here: the simulator is not needed by the worker commands.
     import pathlib
+
+    if train is not None:
+        from coordinator.cli import simulate_training
+
+        simulate_training.run(
+            simulate_training.Options(
+                model=train, workers=workers, barrier=barrier, staleness=staleness,
+                sample=sample, staleness_upper=staleness_upper, delay=delay, seed=seed,
+                sample_timing=sample_timing, out=out, seeds=seeds, targets=targets,
+                batch_size=batch_size, epochs=epochs, virtual_seconds=virtual_seconds,
+                data=data, test_rows=test_rows, eval_seconds=eval_seconds, lr=lr, momentum=momentum,
+                latency=latency, bandwidth=bandwidth,
+            )
+        )  # fmt: skip
+        return
 
     from coordinator.barriers.policy import SampleTiming
     from coordinator.simulator import engine, report

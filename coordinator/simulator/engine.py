@@ -46,6 +46,22 @@ DSSP_WINDOW = 3
 Progress = Callable[[float], None]
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """Optional callbacks from the main loop, for a layer that does work in virtual time
+    (`coordinator.simulator.training`); the barrier decisions stay the strategies'.
+
+    `started(worker, t)` runs when a worker starts a step (all at t = 0 first);
+    `completed(worker, t)` when it completes one, before the decision code sees the
+    completion (so a worker released by it starts after what the completion did);
+    `stop()` after each completion: True ends the run at that completion's time.
+    """
+
+    started: Callable[[int, float], None] | None = None
+    completed: Callable[[int, float], None] | None = None
+    stop: Callable[[], bool] | None = None
+
+
 @dataclass
 class Result:
     """Per-worker outcome of one run; lists are indexed by worker id."""
@@ -114,11 +130,14 @@ def simulate(
     timing: SampleTiming = SampleTiming.PER_CHECK,
     progress: Progress | None = None,
     exact_checks: bool = False,
+    hooks: Hooks | None = None,
 ) -> Result:
     """Run `workers` virtual workers for `seconds` simulated seconds under `spec`.
 
     `exact_checks` makes per-check re-checks of waiting workers draw their
     sample through the decision code instead of an equivalent probability.
+    `hooks` (optional) are called from the loop: see `Hooks`; a `stop` ends the run
+    at that completion's time (`Result.seconds`).
     """
     spec.validate()
     if workers < 1:
@@ -145,12 +164,19 @@ def simulate(
     stats = {"checks": 0}
     slow = {"min": 0, "max": 0}
     keep_durations = spec.method == Method.DSSP
+    hooks = hooks or Hooks()
+    on_started, on_completed, should_stop = hooks.started, hooks.completed, hooks.stop
+    if on_started is not None:
+        for w in range(n):
+            on_started(w, 0.0)
 
     def start(v: int, t: float) -> None:
         if waiting[v]:
             waiting[v] = False
             wait_total[v] += t - wait_since[v]
         started[v] = t
+        if on_started is not None:
+            on_started(v, t)
         heappush(heap, (t + draw(v, clock[v] + 1, rngs[v]), v))
 
     def wait(v: int, t: float) -> None:
@@ -195,10 +221,15 @@ def simulate(
         if keep_durations:
             durations[w].append(t - started[w])
         slow["min"], slow["max"] = min_clock, max_clock
+        if on_completed is not None:
+            on_completed(w, t)
         on_complete(t, w, min_rose)
         if progress is not None and t >= next_report:
             progress(t)
             next_report = t + seconds / 100
+        if should_stop is not None and should_stop():
+            seconds = t
+            break
     for v in range(n):
         if waiting[v]:
             wait_total[v] += seconds - wait_since[v]

@@ -1,0 +1,407 @@
+"""Real training in virtual time: P virtual trainers and one virtual server.
+
+The step simulator (`engine.simulate`) decides when each trainer starts and
+completes its steps, under the same strategies and the same decision code
+(`coordinator.barriers`) as a step-only simulation; this module hooks into it
+and does the training for real:
+
+- **Pull.** A trainer that starts a step takes the server's current weights.
+  Published weights are never written again (each update writes a new tensor,
+  like the server's out-of-place `FlatOptimizer`), so a pull holds a reference,
+  not a copy, and what it sees is exactly the weights at its start time.
+- **Gradient.** At the step's completion the trainer's gradient is computed for
+  real, on the weights it pulled, with its next batch: its own shard of the
+  training set (`load_train_shard`), a seeded shuffle per epoch (`batch_rows`,
+  the same order as the live `mnist` job).
+- **Duration.** Only time is modelled: a step lasts the delay model's draw (its
+  compute) plus a transfer (`Transfer`: latency + bytes / bandwidth for the pull
+  and again for the push). Every duration is drawn from the trainer's own stream,
+  so two methods see the same step times (common random numbers).
+- **Update.** At the completion the server applies the gradient with
+  `FlatOptimizer` (the live server's arithmetic); the staleness of that gradient
+  is the server's version at the update minus the version it pulled. With
+  `aggregate=True` (BSP-aggregate) the gradients of step k of all trainers are
+  averaged, in trainer order, into one update once the last one arrives.
+- **Evaluation** on the whole test set at fixed virtual-time intervals (it sees
+  every update completed at or before that time) or every K updates, and at the end.
+- **Stop** once `epochs` x the training set's samples have been applied, or at
+  `virtual_seconds`, whichever comes first.
+
+A run depends on nothing but its arguments: one torch thread inside, seeded
+generators, no wall clock. The same arguments give the same numbers, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional
+
+from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming
+from coordinator.datasets.mnist import MnistSource, load_test, load_train_shard
+from coordinator.jobs.mnist import batch_rows, steps_per_epoch
+from coordinator.ps.model import FlatModel, MnistNet
+from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
+from coordinator.simulator.delays import DelayModel, ShiftedExponential
+from coordinator.simulator.engine import Hooks, simulate
+
+CLASSES = 10
+#: The live mnist job's default optimizer.
+DEFAULT_OPTIMIZER = OptimizerSpec("sgd", 0.02, 0.9)
+_EVAL_CHUNK = 2000  # test images per forward pass
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The network time of a step: a pull before and a push after, each
+    `latency` + bytes / `bandwidth` (defaults: 0.5 ms one way, 10 Gbit/s)."""
+
+    latency: float = 0.0005
+    bandwidth: float = 1.25e9  # bytes per second
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"latency must be a finite number >= 0, got {self.latency}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0, got {self.bandwidth}")
+
+    def seconds(self, nbytes: int) -> float:
+        return 2 * (self.latency + nbytes / self.bandwidth)
+
+
+@dataclass(frozen=True)
+class _PlusTransfer:
+    """A delay model whose every draw is the base's plus a fixed transfer time."""
+
+    base: DelayModel
+    extra: float
+
+    def sample(self, worker: int, step: int, rng: random.Random) -> float:
+        return self.base.sample(worker, step, rng) + self.extra
+
+
+@dataclass
+class TrainingData:
+    """Every trainer's shard and the test set, as tensors (load once, train many runs)."""
+
+    shards: list[tuple[torch.Tensor, torch.Tensor]]
+    test: tuple[torch.Tensor, torch.Tensor]
+    rows: int
+    cols: int
+
+    @classmethod
+    def load(cls, source: MnistSource, workers: int, test_rows: int | None = None) -> TrainingData:
+        """`workers` shards as the live job cuts them; the test set (its first `test_rows`)."""
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        shards = []
+        for w in range(workers):
+            images = load_train_shard(source, w, workers)
+            shards.append((torch.from_numpy(images.x), torch.from_numpy(images.y)))
+        test = load_test(source)
+        x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
+        if test_rows is not None:
+            x, y = x[:test_rows], y[:test_rows]
+        return cls(shards, (x, y), source.rows, source.cols)
+
+    @property
+    def workers(self) -> int:
+        return len(self.shards)
+
+    @property
+    def train_count(self) -> int:
+        return sum(len(y) for _, y in self.shards)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    virtual_seconds: float
+    updates: int
+    samples: int  # training samples in the updates applied so far
+    accuracy: float
+    loss: float
+
+
+@dataclass
+class TrainingRun:
+    """One method, one seed: the evaluations, the staleness of every gradient, the end."""
+
+    label: str
+    seed: int
+    evaluations: list[Evaluation]
+    staleness: Counter[int]
+    weights: torch.Tensor  # the server's final flat weights (FlatModel order, one server)
+    updates: int
+    samples: int
+    virtual_seconds: float  # when it stopped
+
+    def time_to(self, target: float) -> float | None:
+        """Virtual seconds of the first evaluation at or above `target`; None if never."""
+        for evaluation in self.evaluations:
+            if evaluation.accuracy >= target:
+                return evaluation.virtual_seconds
+        return None
+
+
+def label(spec: BarrierSpec, aggregate: bool = False, timing: SampleTiming | None = None) -> str:
+    if aggregate:
+        return f"{spec}-agg"
+    if spec.sampled and timing == SampleTiming.PER_STEP:
+        return f"{spec} per-step"
+    return str(spec)
+
+
+def initial_weights(seed: int, rows: int = 28, cols: int = 28) -> MnistNet:
+    """The model every method starts from for `seed` (torch's global RNG left untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MnistNet(rows, cols, CLASSES)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def mean_step_seconds(delay: DelayModel, workers: int, draws: int = 16) -> float:
+    """An estimate of the delay model's mean step (a fixed stream: deterministic)."""
+    rng = random.Random("mean-step")
+    values = [delay.sample(w, k, rng) for w in range(min(workers, 64)) for k in range(1, draws + 1)]
+    return sum(values) / len(values)
+
+
+def train(
+    spec: BarrierSpec,
+    data: TrainingData,
+    *,
+    batch_size: int = 32,
+    epochs: float | None = 1.0,
+    virtual_seconds: float | None = None,
+    delay: DelayModel | None = None,
+    seed: int = 0,
+    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
+    aggregate: bool = False,
+    eval_seconds: float | None = None,
+    eval_updates: int | None = None,
+    transfer: Transfer | None = None,
+    timing: SampleTiming = SampleTiming.PER_CHECK,
+    stop_accuracy: float | None = None,
+) -> TrainingRun:
+    """Train `data.workers` virtual trainers under `spec`; see the module's docstring.
+
+    Give `eval_seconds` (a virtual-time grid) or `eval_updates` (every K updates);
+    `epochs` and/or `virtual_seconds` bound the run; `stop_accuracy` also ends it at the
+    first evaluation that reaches it (a time-to-accuracy study needs nothing after that).
+    """
+    spec.validate()
+    workers = data.workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if epochs is None and virtual_seconds is None:
+        raise ValueError("give epochs or virtual_seconds (or both)")
+    if epochs is not None and not epochs > 0:
+        raise ValueError(f"epochs must be > 0, got {epochs}")
+    if virtual_seconds is not None and not virtual_seconds >= 0:
+        raise ValueError(f"virtual_seconds must be >= 0, got {virtual_seconds}")
+    if (eval_seconds is None) == (eval_updates is None):
+        raise ValueError("give exactly one of eval_seconds and eval_updates")
+    if eval_seconds is not None and not eval_seconds > 0:
+        raise ValueError(f"eval_seconds must be > 0, got {eval_seconds}")
+    if eval_updates is not None and eval_updates < 1:
+        raise ValueError(f"eval_updates must be >= 1, got {eval_updates}")
+    if aggregate and spec.method != Method.BSP:
+        raise ValueError(f"aggregate is BSP-aggregate: the method must be bsp, not {spec}")
+    with _one_thread():
+        return _Run(
+            spec, data, batch_size, epochs, virtual_seconds, delay or ShiftedExponential(),
+            seed, optimizer, aggregate, eval_seconds, eval_updates, transfer or Transfer(), timing,
+            stop_accuracy,
+        ).run()  # fmt: skip
+
+
+class _Run:
+    def __init__(
+        self,
+        spec: BarrierSpec,
+        data: TrainingData,
+        batch_size: int,
+        epochs: float | None,
+        virtual_seconds: float | None,
+        delay: DelayModel,
+        seed: int,
+        optimizer: OptimizerSpec,
+        aggregate: bool,
+        eval_seconds: float | None,
+        eval_updates: int | None,
+        transfer: Transfer,
+        timing: SampleTiming,
+        stop_accuracy: float | None,
+    ) -> None:
+        self.stop_accuracy = stop_accuracy
+        self.reached = False
+        self.spec, self.data, self.batch_size, self.seed = spec, data, batch_size, seed
+        self.aggregate, self.timing = aggregate, timing
+        self.eval_seconds, self.eval_updates = eval_seconds, eval_updates
+        self.virtual_seconds = virtual_seconds
+        self.target = None if epochs is None else math.ceil(epochs * data.train_count)
+        n = data.workers
+        # The trainers' model: gradients are computed here, on each trainer's pulled weights.
+        self.work = FlatModel.build(initial_weights(seed, data.rows, data.cols), 1)
+        self.eval = FlatModel.build(MnistNet(data.rows, data.cols, CLASSES), 1)
+        size = self.work.params.numel()
+        self.server = self.work.params.clone()  # published: never written again
+        self.version = 0
+        self.optimizer = FlatOptimizer(optimizer, size)
+        self.delay = _PlusTransfer(delay, transfer.seconds(size * self.work.params.element_size()))
+        self.pulled: list[tuple[torch.Tensor, int]] = [(self.server, 0)] * n
+        self.steps = [0] * n  # steps completed per trainer: the next batch's index
+        self.pending: dict[int, list[tuple[torch.Tensor, int, int] | None]] = {}
+        self.updates = self.samples = 0
+        self.staleness: Counter[int] = Counter()
+        self.evaluations: list[Evaluation] = []
+        self.next_eval = 0.0
+
+    def run(self) -> TrainingRun:
+        self._evaluate(0.0)
+        if self.eval_seconds is not None:
+            self.next_eval = self.eval_seconds
+        seconds = math.inf if self.virtual_seconds is None else self.virtual_seconds
+        hooks = Hooks(started=self._started, completed=self._completed, stop=self._done)
+        result = simulate(
+            self.spec, self.data.workers, seconds, self.delay, self.seed, self.timing, hooks=hooks
+        )
+        end = result.seconds
+        self._evaluate_until(end, inclusive=True)
+        last = self.evaluations[-1]
+        if self.reached:
+            end = last.virtual_seconds
+        elif last.virtual_seconds != end or last.updates != self.updates:
+            self._evaluate(end)
+        return TrainingRun(
+            label=label(self.spec, self.aggregate, self.timing),
+            seed=self.seed,
+            evaluations=self.evaluations,
+            staleness=self.staleness,
+            weights=self.server,
+            updates=self.updates,
+            samples=self.samples,
+            virtual_seconds=end,
+        )
+
+    # Hooks ----------------------------------------------------------------------------------
+
+    def _started(self, trainer: int, t: float) -> None:
+        self.pulled[trainer] = (self.server, self.version)
+
+    def _completed(self, trainer: int, t: float) -> None:
+        self._evaluate_until(t, inclusive=False)
+        if self.reached:  # an evaluation before this completion reached the target
+            return
+        weights, version = self.pulled[trainer]
+        step = self.steps[trainer]
+        self.steps[trainer] = step + 1
+        x, y = self.data.shards[trainer]
+        batch = batch_rows(self.seed, trainer, len(y), self.batch_size, step)
+        work = self.work
+        work.params.copy_(weights)
+        work.grads.zero_()
+        functional.cross_entropy(work.model(x[batch]), y[batch]).backward()
+        if not self.aggregate:
+            self.staleness[self.version - version] += 1
+            self._apply(work.grads, len(batch), t)
+            return
+        slots = self.pending.setdefault(step, [None] * self.data.workers)
+        slots[trainer] = (work.grads.clone(), version, len(batch))
+        if any(slot is None for slot in slots):
+            return
+        del self.pending[step]
+        total = torch.zeros_like(work.grads)
+        samples = 0
+        for grad, pulled_version, count in slots:  # type: ignore[misc]
+            total += grad
+            samples += count
+            self.staleness[self.version - pulled_version] += 1
+        total /= len(slots)
+        self._apply(total, samples, t)
+
+    def _done(self) -> bool:
+        if self.reached:
+            return True
+        return self.target is not None and self.samples >= self.target
+
+    # Server -----------------------------------------------------------------------------------
+
+    def _apply(self, grad: torch.Tensor, samples: int, t: float) -> None:
+        new = torch.empty_like(self.server)
+        self.optimizer.step(self.server, grad, new)
+        self.server = new
+        self.version += 1
+        self.updates += 1
+        self.samples += samples
+        if self.eval_updates is not None and self.updates % self.eval_updates == 0:
+            self._evaluate(t)
+
+    def _evaluate_until(self, t: float, inclusive: bool) -> None:
+        if self.eval_seconds is None:
+            return
+        while not self.reached and (self.next_eval < t or (inclusive and self.next_eval <= t)):
+            self._evaluate(self.next_eval)
+            self.next_eval = round(self.next_eval + self.eval_seconds, 9)
+
+    @torch.no_grad()
+    def _evaluate(self, t: float) -> None:
+        self.eval.params.copy_(self.server)
+        x, y = self.data.test
+        loss = 0.0
+        correct = 0
+        for low in range(0, len(y), _EVAL_CHUNK):
+            logits = self.eval.model(x[low : low + _EVAL_CHUNK])
+            target = y[low : low + _EVAL_CHUNK]
+            loss += functional.cross_entropy(logits, target, reduction="sum").item()
+            correct += int((logits.argmax(1) == target).sum())
+        n = len(y)
+        self.evaluations.append(Evaluation(t, self.updates, self.samples, correct / n, loss / n))
+        if self.stop_accuracy is not None and correct / n >= self.stop_accuracy:
+            self.reached = True
+
+
+def default_eval_seconds(
+    delay: DelayModel,
+    data: TrainingData,
+    batch_size: int,
+    epochs: float | None,
+    virtual_seconds: float | None,
+    transfer: Transfer | None = None,
+    points: int = 20,
+) -> float:
+    """A virtual-time grid of about `points` evaluations for an ASP-paced run (slower
+    methods get more): the run's bound, or an epoch's steps times the mean step."""
+    if virtual_seconds is not None and (epochs is None or virtual_seconds > 0):
+        bound = virtual_seconds
+    else:
+        transfer = transfer or Transfer()
+        size = sum(p.numel() for p in MnistNet(data.rows, data.cols, CLASSES).parameters())
+        step = mean_step_seconds(delay, data.workers) + transfer.seconds(4 * size)
+        longest = max(steps_per_epoch(len(y), batch_size) for _, y in data.shards)
+        bound = step * longest * (epochs or 1.0)
+    return max(bound / points, 1e-6)
+
+
+def runs_for(
+    specs: Sequence[tuple[BarrierSpec, bool]], seeds: Sequence[int]
+) -> list[tuple[BarrierSpec, bool, int]]:
+    """The (spec, aggregate, seed) runs of a study, method-major."""
+    return [(spec, aggregate, seed) for spec, aggregate in specs for seed in seeds]
