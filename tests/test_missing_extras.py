@@ -100,8 +100,15 @@ class Ran:
 class Blocked:
     """Runs `coordinator` with the extras' modules hidden, in a scratch directory."""
 
-    env: dict[str, str]
+    base: dict[str, str]
     cwd: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The fixture's environment with the session etcd's settings as they are now (the
+        session etcd may start after this module's first test, when a test asks for it)."""
+        etcd = {k: v for k, v in os.environ.items() if k.startswith("COORDINATOR_ETCD_")}
+        return {**self.base, **etcd}
 
     def run(self, *args: str, timeout: float = 60) -> Ran:
         done = subprocess.run(
