@@ -336,7 +336,9 @@ class MnistJob:
             participants=self.trainer_ranks,
         )
         passages: list[list[Any]] = []
-        step_seconds: list[float] = []  # pull to push acknowledged: the simulator's trace
+        # Each step's time from the barrier letting it start to the next call of the barrier
+        # (pull, compute, push, publishing the clock): the trace the simulator replays.
+        step_seconds: list[float] = []
         # ASP takes the weights there are, and BSP-aggregate's next weights are this step's
         # averaged update: both may take them with the push, in one round trip.
         fused = options.aggregate or options.spec.method == Method.ASP
@@ -351,8 +353,8 @@ class MnistJob:
                 passage = barrier.wait_turn()
                 waited += passage.waited
                 passages.append([passage.clock, passage.slowest])
+                let_in = time.perf_counter()
                 try:
-                    pulled = time.perf_counter()
                     if not fresh:
                         client.pull()
                     step_began = time.perf_counter()
@@ -369,13 +371,13 @@ class MnistJob:
                     client.clock = barrier.clock  # the barrier's clock is the step's truth
                     client.push(pull=fused)
                     fresh = fused
-                    step_seconds.append(round(time.perf_counter() - pulled, 6))
                 except (OSError, ProtocolError) as exc:
                     self._explain(member, exc)
                 barrier.complete()
                 if time.monotonic() - reported > 0.5 or barrier.clock >= target:
                     reported = time.monotonic()
                     emit(Step(rank=rank, clock=barrier.clock, target=target, loss=loss.item()))
+                step_seconds.append(round(time.perf_counter() - let_in, 6))
             try:
                 client.close()
             except (OSError, ProtocolError) as exc:
