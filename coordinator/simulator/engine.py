@@ -32,6 +32,7 @@ Semantics (documented choices, see docs/barriers.md):
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -265,47 +266,176 @@ def _per_check(
 ) -> Callable[[float, int, bool], None]:
     """Fresh sample of all P workers (itself included) at every check; all waiting re-checked.
 
-    A worker's own check after a completion always runs the decision code. A
-    re-check of a waiting worker with clock c passes iff its fresh sample holds
-    none of the L workers whose clock is below c - s: probability
-    C(P - L, beta) / C(P, beta). With `exact` the re-check draws that sample
-    through the decision code (about 5 us each); otherwise it draws one uniform
-    against that probability (same distribution, ~50x cheaper), drawing nothing
-    when the outcome is certain, so beta = 0 and beta >= P stay deterministic.
+    A check of a worker with clock c passes iff its fresh sample holds none of
+    the L workers whose clock is below c - s: probability
+    p = C(P - L, beta) / C(P, beta), independently at every check. With
+    `exact` every check (the completing worker's own, then every waiting
+    worker's re-check) draws that sample through the decision code: about 5 us
+    each and O(waiting) per completion. Otherwise, the same distribution:
+
+    - the own check draws one uniform against p (nothing when p is 0 or 1);
+    - the re-checks are event-driven: surviving one has probability
+      1 - p = exp(-h), h = -log(1 - p), so a worker draws one threshold
+      E ~ Exp(1) when it starts waiting and is released at the first
+      completion where the hazard summed over its re-checks exceeds E. Waiters
+      with one clock share p, hence one hazard counter per clock group
+      (`_Group`). L of group c changes only when a worker's clock reaches
+      c - s, so the counter is linear in the number of completions between
+      such changes and the group's next release is scheduled in a heap:
+      O(log P) per completion and per release instead of O(waiting).
+
+    p = 1 releases at the next completion and p = 0 never, so beta = 0 and
+    beta >= P stay deterministic (ASP, SSP/BSP bit for bit). The random stream
+    differs from the literal one (and from versions before the event-driven
+    re-checks), the distribution of every run does not.
     """
     bound, beta, population = spec.bound, spec.sample, range(n)
     assert bound is not None
-    waiting: dict[int, int] = {}  # worker -> clock; insertion order: a deterministic order
-    uniform = rng.random
 
     def passes(v: int) -> bool:
         return may_start(clock[v], [clock[p] for p in draw_sample(rng, population, beta)], bound)
 
-    def pass_probability(c: int) -> float:
+    if exact:
+        return _per_check_literal(clock, start, wait, stats, passes)
+
+    groups: dict[int, _Group] = {}  # clock -> its waiting workers
+    schedule: list[tuple[int, int]] = []  # (completion index, clock): a group's next release
+    cache: dict[int, tuple[float, float]] = {}  # L -> (p, h)
+    expo, uniform = rng.expovariate, rng.random
+    heappush, heappop = heapq.heappush, heapq.heappop
+    state = {"k": 0, "waiting": 0}  # completions so far, waiting workers
+
+    def chance(c: int) -> tuple[float, float]:
+        """(p, h) for a waiter with clock c: pass probability and hazard -log(1 - p)."""
         laggers = sum(counts[slow["min"] : max(c - bound, 0)])
-        if laggers == 0 or beta == 0:
-            return 1.0
-        if n - laggers < beta:
-            return 0.0
-        p = 1.0
-        for i in range(beta):
-            p *= (n - laggers - i) / (n - i)
-        return p
+        known = cache.get(laggers)
+        if known is None:
+            if laggers == 0 or beta == 0:
+                known = (1.0, math.inf)
+            elif n - laggers < beta:
+                known = (0.0, 0.0)
+            else:
+                p = 1.0
+                for i in range(beta):
+                    p *= (n - laggers - i) / (n - i)
+                known = (p, -math.log1p(-p) if p < 1.0 else math.inf)
+            cache[laggers] = known
+        return known
+
+    def reschedule(g: _Group, c: int) -> None:
+        due = g.next_release()
+        g.due = due
+        if due is not None:
+            heappush(schedule, (due, c))
+
+    def on_complete(t: float, w: int, min_rose: bool) -> None:
+        k = state["k"] = state["k"] + 1
+        if groups:
+            stats["checks"] += state["waiting"]
+            c = clock[w] + bound  # the only group whose L just changed
+            g = groups.get(c)
+            if g is not None:
+                g.rebase(k - 1, chance(c)[1])
+                reschedule(g, c)
+            while schedule and schedule[0][0] <= k:
+                due, c = heappop(schedule)
+                g = groups.get(c)
+                if g is None or g.due != due:
+                    continue  # superseded by a reschedule
+                released = g.release(k)
+                state["waiting"] -= len(released)
+                for v in released:
+                    start(v, t)
+                if g.heap:
+                    reschedule(g, c)
+                else:
+                    del groups[c]
+        stats["checks"] += 1
+        c = clock[w]
+        p, h = chance(c)
+        if p >= 1.0 or (p > 0.0 and uniform() < p):
+            start(w, t)
+            return
+        g = groups.get(c)
+        if g is None:
+            g = groups[c] = _Group(k, h)
+        threshold = g.level(k) + expo(1.0)
+        if not g.heap or threshold < g.heap[0][0]:
+            heappush(g.heap, (threshold, w))
+            reschedule(g, c)
+        else:
+            heappush(g.heap, (threshold, w))
+        state["waiting"] += 1
+        wait(w, t)
+
+    return on_complete
+
+
+class _Group:
+    """Waiting workers with one clock: thresholds and the hazard summed over completions.
+
+    The summed hazard after completion k is `base + rate * (k - since)`; a
+    worker leaves at the first completion where it exceeds its threshold.
+    """
+
+    __slots__ = ("base", "due", "heap", "rate", "since")
+
+    def __init__(self, k: int, rate: float) -> None:
+        self.heap: list[tuple[float, int]] = []  # (threshold, worker)
+        self.base = 0.0
+        self.since = k
+        self.rate = rate
+        self.due: int | None = None
+
+    def level(self, k: int) -> float:
+        return self.base + self.rate * (k - self.since) if k > self.since else self.base
+
+    def rebase(self, k: int, rate: float) -> None:
+        """From completion k on the hazard per completion is `rate`."""
+        self.base = self.level(k)
+        self.since = k
+        self.rate = rate
+
+    def next_release(self) -> int | None:
+        """The first completion whose summed hazard exceeds the lowest threshold."""
+        rate = self.rate
+        if rate == 0.0 or not self.heap:
+            return None
+        if rate == math.inf:
+            return self.since + 1
+        gap = (self.heap[0][0] - self.base) / rate
+        if gap > 1e15:
+            return None  # beyond any run; a later rebase reschedules
+        d = max(int(gap) + 1, 1)
+        threshold, base = self.heap[0][0], self.base
+        while base + rate * d <= threshold:
+            d += 1
+        while d > 1 and base + rate * (d - 1) > threshold:
+            d -= 1
+        return self.since + d
+
+    def release(self, k: int) -> list[int]:
+        level = math.inf if self.rate == math.inf else self.level(k)
+        heap, out = self.heap, []
+        while heap and heap[0][0] < level:
+            out.append(heapq.heappop(heap)[1])
+        return out
+
+
+def _per_check_literal(
+    clock: list[int],
+    start: Callable[[int, float], None],
+    wait: Callable[[int, float], None],
+    stats: dict[str, int],
+    passes: Callable[[int], bool],
+) -> Callable[[float, int, bool], None]:
+    """Per-check sampling as written: every waiting worker re-checked through the decision code."""
+    waiting: dict[int, int] = {}  # worker -> clock; insertion order: a deterministic order
 
     def on_complete(t: float, w: int, min_rose: bool) -> None:
         if waiting:
             stats["checks"] += len(waiting)
-            if exact:
-                released = [v for v in waiting if passes(v)]
-            else:
-                chance: dict[int, float] = {}
-                released = []
-                for v, c in waiting.items():
-                    p = chance.get(c)
-                    if p is None:
-                        p = chance[c] = pass_probability(c)
-                    if p >= 1.0 or (p > 0.0 and uniform() < p):
-                        released.append(v)
+            released = [v for v in waiting if passes(v)]
             for v in released:
                 del waiting[v]
                 start(v, t)
@@ -378,11 +508,23 @@ def _bucketed(
     buckets: dict[int, list[int]] = {}
     credit = [dssp.Credit() for _ in range(n)] if is_dssp else []
     last_push = [0.0] * n
+    # DSSP's slowest: per clock, a heap of (-predicted push, worker) of the workers that
+    # reached it (they leave it, never re-enter: stale entries are dropped lazily). A
+    # worker's predicted push is fixed while its clock is: what it had when it got there.
+    arrived: dict[int, list[tuple[float, int]]] = {0: [(-0.0, u) for u in range(n)]}
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def pushes(v: int) -> dssp.Pushes:
         recent = durations[v][-DSSP_WINDOW:]
         interval = sum(recent) / len(recent) if recent else 0.0
         return dssp.Pushes(clock[v], last_push[v], interval)
+
+    def slowest(low: int) -> dssp.Pushes:
+        """Among clock `low`, the latest predicted push; the lowest id on a tie (as max())."""
+        heap = arrived[low]
+        while clock[heap[0][1]] != low:
+            heappop(heap)
+        return pushes(heap[0][1])
 
     def passes(v: int, t: float) -> bool:
         stats["checks"] += 1
@@ -394,15 +536,19 @@ def _bucketed(
         grant = 0
         mine = credit[v]
         if fastest and c - low > bound and not mine.remaining and not mine.granted_this_episode:
-            slowest = max(
-                (pushes(u) for u in range(n) if clock[u] == low),
-                key=lambda p: p.last_push + p.interval,
-            )
-            grant = dssp.extra_steps(pushes(v), slowest, t, bound, spec.staleness_upper)
+            grant = dssp.extra_steps(pushes(v), slowest(low), t, bound, spec.staleness_upper)
         return dssp.decide(c, low, fastest, mine, grant, bound)
 
     def on_complete(t: float, w: int, min_rose: bool) -> None:
         last_push[w] = t
+        if is_dssp:
+            mine = pushes(w)
+            heap = arrived.get(mine.clock)
+            if heap is None:
+                heap = arrived[mine.clock] = []
+            heappush(heap, (-(mine.last_push + mine.interval), w))
+            if min_rose:
+                arrived.pop(slow["min"] - 1, None)
         if min_rose:
             for v in buckets.pop(slow["min"] + bound, ()):
                 if not passes(v, t):  # cannot happen: the slowest just reached clock - bound
