@@ -11,6 +11,7 @@ import csv
 import math
 import random
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -94,6 +95,39 @@ class Trace:
     def sample(self, worker: int, step: int, rng: random.Random) -> float:
         durations = self.steps[worker % len(self.steps)]
         return durations[(step - 1) % len(durations)]
+
+
+def sampler(model: DelayModel, rngs: Sequence[random.Random]) -> Callable[[int, int], float]:
+    """`draw(worker, step)`: `model.sample(worker, step, rngs[worker])`, the same numbers.
+
+    A shifted exponential (alone or as a straggler's base) is inlined: one call
+    per step instead of three (the simulator draws one per simulated step).
+    """
+    if isinstance(model, ShiftedExponential) and model.mean != 0:
+        shift, rate = model.shift, 1.0 / model.mean
+        uniform = [rng.random for rng in rngs]
+        log = math.log
+
+        def exponential(worker: int, step: int) -> float:
+            # as random.expovariate(rate): -log(1 - U) / rate
+            return shift + -log(1.0 - uniform[worker]()) / rate
+
+        return exponential
+    if isinstance(model, Stragglers):
+        base, factor = sampler(model.base, rngs), model.factor
+        slow = [model.is_straggler(w) for w in range(len(rngs))]
+
+        def straggling(worker: int, step: int) -> float:
+            seconds = base(worker, step)
+            return seconds * factor if slow[worker] else seconds
+
+        return straggling
+    sample = model.sample
+
+    def generic(worker: int, step: int) -> float:
+        return sample(worker, step, rngs[worker])
+
+    return generic
 
 
 def _read_trace(path: Path) -> list[list[float]]:

@@ -40,7 +40,7 @@ from typing import overload
 
 from coordinator.barriers import dssp
 from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming, draw_sample, may_start
-from coordinator.simulator.delays import DelayModel, ShiftedExponential
+from coordinator.simulator.delays import DelayModel, ShiftedExponential, sampler
 
 DSSP_WINDOW = 3
 
@@ -130,7 +130,7 @@ def simulate(
     n = workers
     rngs = [random.Random(f"{seed}:delay:{w}") for w in range(n)]
     sample_rng = random.Random(f"{seed}:sample")
-    draw = delay.sample
+    draw = sampler(delay, rngs)
 
     clock = [0] * n
     counts = [n]  # counts[c]: workers whose clock is c
@@ -140,7 +140,7 @@ def simulate(
     wait_total = [0.0] * n
     started = [0.0] * n
     durations: list[list[float]] = [[] for _ in range(n)]
-    heap = [(draw(w, 1, rngs[w]), w) for w in range(n)]
+    heap = [(draw(w, 1), w) for w in range(n)]
     heapq.heapify(heap)
     heappush, heappop = heapq.heappush, heapq.heappop
     stats = {"checks": 0}
@@ -152,7 +152,7 @@ def simulate(
             waiting[v] = False
             wait_total[v] += t - wait_since[v]
         started[v] = t
-        heappush(heap, (t + draw(v, clock[v] + 1, rngs[v]), v))
+        heappush(heap, (t + draw(v, clock[v] + 1), v))
 
     def wait(v: int, t: float) -> None:
         waiting[v] = True
@@ -303,11 +303,11 @@ def _per_check(
     cache: dict[int, tuple[float, float]] = {}  # L -> (p, h)
     expo, uniform = rng.expovariate, rng.random
     heappush, heappop = heapq.heappush, heapq.heappop
-    state = {"k": 0, "waiting": 0}  # completions so far, waiting workers
+    completions = waiting = 0
 
     def chance(c: int) -> tuple[float, float]:
         """(p, h) for a waiter with clock c: pass probability and hazard -log(1 - p)."""
-        laggers = sum(counts[slow["min"] : max(c - bound, 0)])
+        laggers = sum(counts[slow["min"] : c - bound]) if c > bound else 0
         known = cache.get(laggers)
         if known is None:
             if laggers == 0 or beta == 0:
@@ -329,9 +329,11 @@ def _per_check(
             heappush(schedule, (due, c))
 
     def on_complete(t: float, w: int, min_rose: bool) -> None:
-        k = state["k"] = state["k"] + 1
+        nonlocal completions, waiting
+        completions += 1
+        k = completions
         if groups:
-            stats["checks"] += state["waiting"]
+            stats["checks"] += waiting
             c = clock[w] + bound  # the only group whose L just changed
             g = groups.get(c)
             if g is not None:
@@ -343,7 +345,7 @@ def _per_check(
                 if g is None or g.due != due:
                     continue  # superseded by a reschedule
                 released = g.release(k)
-                state["waiting"] -= len(released)
+                waiting -= len(released)
                 for v in released:
                     start(v, t)
                 if g.heap:
@@ -359,13 +361,12 @@ def _per_check(
         g = groups.get(c)
         if g is None:
             g = groups[c] = _Group(k, h)
-        threshold = g.level(k) + expo(1.0)
-        if not g.heap or threshold < g.heap[0][0]:
-            heappush(g.heap, (threshold, w))
+        entry = (g.level(k) + expo(1.0), w)
+        heap = g.heap
+        heappush(heap, entry)
+        if heap[0] is entry:
             reschedule(g, c)
-        else:
-            heappush(g.heap, (threshold, w))
-        state["waiting"] += 1
+        waiting += 1
         wait(w, t)
 
     return on_complete
@@ -463,6 +464,7 @@ def _per_step(
     sample: list[list[int]] = [[] for _ in range(n)]
     token = [0] * n  # bumped on release: stale watch entries are skipped
     watchers: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    others = range(n - 1)
 
     def on_complete(t: float, w: int, min_rose: bool) -> None:
         watching = watchers[w]
@@ -479,7 +481,9 @@ def _per_step(
                     keep.append((v, tok))
             watchers[w] = keep
         stats["checks"] += 1
-        mine = draw_sample(rng, _Others(n, w), beta)
+        # The others by index: draw_sample(rng, _Others(n, w), beta) with the same draws
+        # (random.sample only reads len and items), minus a Python __getitem__ per item.
+        mine = [p + (p >= w) for p in draw_sample(rng, others, beta)]
         if may_start(clock[w], [clock[p] for p in mine], bound):
             start(w, t)
             return
