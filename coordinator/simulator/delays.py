@@ -10,8 +10,8 @@ from __future__ import annotations
 import csv
 import math
 import random
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
