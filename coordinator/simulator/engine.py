@@ -401,11 +401,11 @@ def _per_check(
                 g = groups.get(at)
                 if g is None or g.due != due:
                     continue  # superseded by a reschedule
-                released = g.release(k)
+                released = g.release(k, uniform)
                 waiting -= len(released)
                 for v in released:
                     start(v, t)
-                if g.heap:
+                if g.members:
                     g.due = None
                     reschedule(g, at)
                 else:
@@ -418,11 +418,12 @@ def _per_check(
         g = groups.get(c)
         if g is None:
             g = groups[c] = _Group(k, h)
-        # threshold: the hazard so far + Exp(1) (as rng.expovariate(1.0))
-        entry = (g.level(k) - log(1.0 - uniform()), w)
-        heap = g.heap
-        heappush(heap, entry)
-        if heap[0] is entry:
+        g.members.append(w)
+        # w's threshold: the hazard so far + Exp(1) (as rng.expovariate(1.0)); the
+        # group's next release is the lowest threshold
+        mine = g.level(k) - log(1.0 - uniform())
+        if mine < g.next:
+            g.next = mine
             reschedule(g, c)
         waiting += 1
         wait(w, t)
@@ -431,20 +432,27 @@ def _per_check(
 
 
 class _Group:
-    """Waiting workers with one clock: thresholds and the hazard summed over completions.
+    """Waiting workers with one clock, and the hazard summed over completions.
 
-    The summed hazard after completion k is `base + rate * (k - since)`; a
-    worker leaves at the first completion where it exceeds its threshold.
+    The summed hazard after completion k is `base + rate * (k - since)`. A
+    waiter leaves at the first completion where it exceeds the waiter's
+    threshold: the hazard when it started waiting + Exp(1). Thresholds are not
+    kept: above the current hazard, the waiters' unspent parts are independent
+    Exp(1) (memoryless), so the lowest is the group's `next` release level,
+    the waiter it belongs to is any of them with equal chance, and the next
+    one above it is `next` + Exp(1) / (waiters left). Same law as one kept
+    threshold per waiter, O(1) per join and per release.
     """
 
-    __slots__ = ("base", "due", "heap", "rate", "since")
+    __slots__ = ("base", "due", "members", "next", "rate", "since")
 
     def __init__(self, k: int, rate: float) -> None:
-        self.heap: list[tuple[float, int]] = []  # (threshold, worker)
+        self.members: list[int] = []  # in no particular order
         self.base = 0.0
         self.since = k
         self.rate = rate
-        self.due: int | None = None
+        self.next = math.inf  # the hazard level of the next release
+        self.due: int | None = None  # the completion it happens at (None: not scheduled)
 
     def level(self, k: int) -> float:
         return self.base + self.rate * (k - self.since) if k > self.since else self.base
@@ -456,28 +464,41 @@ class _Group:
         self.rate = rate
 
     def next_release(self) -> int | None:
-        """The first completion whose summed hazard exceeds the lowest threshold."""
+        """The first completion whose summed hazard exceeds `next`."""
         rate = self.rate
-        if rate == 0.0 or not self.heap:
+        if rate == 0.0 or not self.members:
             return None
         if rate == math.inf:
             return self.since + 1
-        gap = (self.heap[0][0] - self.base) / rate
+        threshold, base = self.next, self.base
+        gap = (threshold - base) / rate
         if gap > 1e15:
             return None  # beyond any run; a later rebase reschedules
         d = max(int(gap) + 1, 1)
-        threshold, base = self.heap[0][0], self.base
         while base + rate * d <= threshold:
             d += 1
         while d > 1 and base + rate * (d - 1) > threshold:
             d -= 1
         return self.since + d
 
-    def release(self, k: int) -> list[int]:
-        level = math.inf if self.rate == math.inf else self.level(k)
-        heap, out = self.heap, []
-        while heap and heap[0][0] < level:
-            out.append(heapq.heappop(heap)[1])
+    def release(self, k: int, uniform: Callable[[], float]) -> list[int]:
+        """The waiters whose threshold the hazard after completion k exceeds."""
+        members = self.members
+        if self.rate == math.inf:
+            out = members[:]
+            members.clear()
+            self.next = math.inf
+            return out
+        level, threshold, out = self.level(k), self.next, []
+        while members and threshold < level:
+            j = int(uniform() * len(members))
+            out.append(members[j])
+            members[j] = members[-1]
+            members.pop()
+            threshold = (
+                threshold - math.log(1.0 - uniform()) / len(members) if members else math.inf
+            )
+        self.next = threshold
         return out
 
 
