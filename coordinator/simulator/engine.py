@@ -351,12 +351,10 @@ def _per_check(
         return _per_check_literal(clock, start, wait, stats, passes)
 
     groups: dict[int, _Group] = {}  # clock -> its waiting workers
-    schedule: list[tuple[int, int]] = []  # (completion index, clock): a group's next release
     cache: dict[int, tuple[float, float]] = {}  # L -> (p, h)
     under = [0, n]  # under[x]: workers whose clock is below x (n beyond the fastest)
     uniform, log = rng.random, math.log
-    heappush, heappop = heapq.heappush, heapq.heappop
-    completions = waiting = 0
+    waiting = 0
 
     def chance(c: int) -> tuple[float, float]:
         """(p, h) for a check at clock c: pass probability and hazard -log(1 - p)."""
@@ -375,17 +373,8 @@ def _per_check(
             cache[laggers] = known
         return known
 
-    def reschedule(g: _Group, c: int) -> None:
-        due = g.next_release()
-        if due != g.due:
-            g.due = due
-            if due is not None:
-                heappush(schedule, (due, c))
-
     def on_complete(t: float, w: int, min_rose: bool) -> None:
-        nonlocal completions, waiting
-        completions += 1
-        k = completions
+        nonlocal waiting
         c = clock[w]
         if c == len(under):
             under.append(n)
@@ -394,22 +383,19 @@ def _per_check(
             stats["checks"] += waiting
             g = groups.get(c + bound)  # the only group whose L just changed
             if g is not None:
-                g.rebase(k - 1, chance(c + bound)[1])
-                reschedule(g, c + bound)
-            while schedule and schedule[0][0] <= k:
-                due, at = heappop(schedule)
-                g = groups.get(at)
-                if g is None or g.due != due:
-                    continue  # superseded by a reschedule
-                released = g.release(k, uniform)
-                waiting -= len(released)
-                for v in released:
-                    start(v, t)
-                if g.members:
-                    g.due = None
-                    reschedule(g, at)
-                else:
-                    del groups[at]
+                g.rate = chance(c + bound)[1]
+            emptied = []
+            for at, g in groups.items():
+                g.level += g.rate
+                if g.level > g.next:
+                    released = g.release(uniform)
+                    waiting -= len(released)
+                    for v in released:
+                        start(v, t)
+                    if not g.members:
+                        emptied.append(at)
+            for at in emptied:
+                del groups[at]
         stats["checks"] += 1
         p, h = chance(c)
         if p >= 1.0 or (p > 0.0 and uniform() < p):
@@ -417,14 +403,13 @@ def _per_check(
             return
         g = groups.get(c)
         if g is None:
-            g = groups[c] = _Group(k, h)
+            g = groups[c] = _Group(h)
         g.members.append(w)
         # w's threshold: the hazard so far + Exp(1) (as rng.expovariate(1.0)); the
-        # group's next release is the lowest threshold
-        mine = g.level(k) - log(1.0 - uniform())
+        # group's next release is at the lowest threshold
+        mine = g.level - log(1.0 - uniform())
         if mine < g.next:
             g.next = mine
-            reschedule(g, c)
         waiting += 1
         wait(w, t)
 
@@ -432,64 +417,33 @@ def _per_check(
 
 
 class _Group:
-    """Waiting workers with one clock, and the hazard summed over completions.
+    """Waiting workers with one clock, and the hazard summed over their re-checks.
 
-    The summed hazard after completion k is `base + rate * (k - since)`. A
-    waiter leaves at the first completion where it exceeds the waiter's
-    threshold: the hazard when it started waiting + Exp(1). Thresholds are not
-    kept: above the current hazard, the waiters' unspent parts are independent
+    A waiter leaves at the first completion where `level` exceeds its
+    threshold: the level when it started waiting + Exp(1). Thresholds are not
+    kept: above the current level the waiters' unspent parts are independent
     Exp(1) (memoryless), so the lowest is the group's `next` release level,
     the waiter it belongs to is any of them with equal chance, and the next
     one above it is `next` + Exp(1) / (waiters left). Same law as one kept
     threshold per waiter, O(1) per join and per release.
     """
 
-    __slots__ = ("base", "due", "members", "next", "rate", "since")
+    __slots__ = ("level", "members", "next", "rate")
 
-    def __init__(self, k: int, rate: float) -> None:
+    def __init__(self, rate: float) -> None:
         self.members: list[int] = []  # in no particular order
-        self.base = 0.0
-        self.since = k
-        self.rate = rate
-        self.next = math.inf  # the hazard level of the next release
-        self.due: int | None = None  # the completion it happens at (None: not scheduled)
+        self.level = 0.0  # hazard summed over the re-checks so far
+        self.rate = rate  # hazard of one re-check: -log(1 - p)
+        self.next = math.inf  # the level of the next release
 
-    def level(self, k: int) -> float:
-        return self.base + self.rate * (k - self.since) if k > self.since else self.base
-
-    def rebase(self, k: int, rate: float) -> None:
-        """From completion k on the hazard per completion is `rate`."""
-        self.base = self.level(k)
-        self.since = k
-        self.rate = rate
-
-    def next_release(self) -> int | None:
-        """The first completion whose summed hazard exceeds `next`."""
-        rate = self.rate
-        if rate == 0.0 or not self.members:
-            return None
-        if rate == math.inf:
-            return self.since + 1
-        threshold, base = self.next, self.base
-        gap = (threshold - base) / rate
-        if gap > 1e15:
-            return None  # beyond any run; a later rebase reschedules
-        d = max(int(gap) + 1, 1)
-        while base + rate * d <= threshold:
-            d += 1
-        while d > 1 and base + rate * (d - 1) > threshold:
-            d -= 1
-        return self.since + d
-
-    def release(self, k: int, uniform: Callable[[], float]) -> list[int]:
-        """The waiters whose threshold the hazard after completion k exceeds."""
+    def release(self, uniform: Callable[[], float]) -> list[int]:
+        """The waiters whose threshold `level` exceeds."""
         members = self.members
-        if self.rate == math.inf:
+        if self.level == math.inf:
             out = members[:]
             members.clear()
-            self.next = math.inf
             return out
-        level, threshold, out = self.level(k), self.next, []
+        level, threshold, out = self.level, self.next, []
         while members and threshold < level:
             j = int(uniform() * len(members))
             out.append(members[j])
