@@ -13,7 +13,11 @@ Semantics (documented choices, see docs/barriers.md):
   completion (the PSP authors' Ninox behaviour). Methods without sampling are
   deterministic in the clocks, so only waiting workers whose answer can change
   (those the slowest clock has just released) are re-checked: same result,
-  O(log P) per event instead of O(P).
+  O(log P) per event instead of O(P). Per-check sampling re-checks by clock
+  group with the same distribution (see `_per_check`).
+- Events are kept in a calendar of time slots (`_agenda`), popped in
+  (time, worker) order; delays are drawn a few steps ahead per worker from its
+  own stream (`delays.sampler`): the same numbers, in the same order.
 - BSP/SSP ask `may_start(clock, (slowest,), s)`: the test over all clocks is
   the test over their minimum, which the engine keeps incrementally.
 - pBSP/pSSP with `SampleTiming.PER_CHECK` (the reference) draw a fresh sample
@@ -172,8 +176,8 @@ def simulate(
 ) -> Result:
     """Run `workers` virtual workers for `seconds` simulated seconds under `spec`.
 
-    `exact_checks` makes per-check re-checks of waiting workers draw their
-    sample through the decision code instead of an equivalent probability.
+    `exact_checks` makes per-check sampling draw every check's sample through
+    the decision code instead of an equivalent probability (O(waiting) per step).
     """
     spec.validate()
     if workers < 1:
@@ -326,20 +330,20 @@ def _per_check(
     each and O(waiting) per completion. Otherwise, the same distribution:
 
     - the own check draws one uniform against p (nothing when p is 0 or 1);
-    - the re-checks are event-driven: surviving one has probability
-      1 - p = exp(-h), h = -log(1 - p), so a worker draws one threshold
-      E ~ Exp(1) when it starts waiting and is released at the first
-      completion where the hazard summed over its re-checks exceeds E. Waiters
-      with one clock share p, hence one hazard counter per clock group
-      (`_Group`). L of group c changes only when a worker's clock reaches
-      c - s, so the counter is linear in the number of completions between
-      such changes and the group's next release is scheduled in a heap:
-      O(log P) per completion and per release instead of O(waiting).
+    - the re-checks go by clock group (`_Group`): waiters with one clock share
+      p. Surviving one re-check has probability 1 - p = exp(-h), h =
+      -log(1 - p), so a waiter is released at the first completion where the
+      hazard h summed over its re-checks exceeds an Exp(1) threshold; by
+      memorylessness the group keeps only its next release level, and whom it
+      releases is drawn uniformly. L of group c changes only when a worker's
+      clock reaches c - s: one group's h to update per completion. Cost per
+      completion: O(clock groups) instead of O(waiting).
 
     p = 1 releases at the next completion and p = 0 never, so beta = 0 and
     beta >= P stay deterministic (ASP, SSP/BSP bit for bit). The random stream
-    differs from the literal one (and from versions before the event-driven
-    re-checks), the distribution of every run does not.
+    differs from the literal one and from the engine before issue 20 (one
+    uniform per waiter per completion); the distribution of a run does not
+    (tests/test_simulator.py::test_event_driven_per_check_has_the_literal_distribution).
     """
     bound, beta, population = spec.bound, spec.sample, range(n)
     assert bound is not None
@@ -578,12 +582,13 @@ def _bucketed(
 
     def on_complete(t: float, w: int, min_rose: bool) -> None:
         last_push[w] = t
-        if is_dssp:
-            mine = pushes(w)
-            heap = arrived.get(mine.clock)
+        if is_dssp:  # as pushes(w).last_push + .interval
+            recent = durations[w]
+            interval = sum(recent) / len(recent) if recent else 0.0
+            heap = arrived.get(clock[w])
             if heap is None:
-                heap = arrived[mine.clock] = []
-            heappush(heap, (-(mine.last_push + mine.interval), w))
+                heap = arrived[clock[w]] = []
+            heappush(heap, (-(t + interval), w))
             if min_rose:
                 arrived.pop(slow["min"] - 1, None)
         if min_rose:
