@@ -383,25 +383,43 @@ def _per_check(
         if c == len(under):
             under.append(n)
         under[c] -= 1  # w left clock c - 1
+        stats["checks"] += waiting + 1  # every waiting worker's re-check, then w's own
         if groups:
-            stats["checks"] += waiting
             g = groups.get(c + bound)  # the only group whose L just changed
             if g is not None:
                 g.rate = chance(c + bound)[1]
             emptied = []
             for at, g in groups.items():
-                g.level += g.rate
-                if g.level > g.next:
-                    released = g.release(uniform)
-                    waiting -= len(released)
-                    for v in released:
+                level = g.level = g.level + g.rate
+                threshold = g.next
+                if level <= threshold:
+                    continue
+                members = g.members
+                if level == math.inf:  # p = 1: all pass
+                    waiting -= len(members)
+                    for v in members:
                         start(v, t)
-                    if not g.members:
-                        emptied.append(at)
+                    members.clear()
+                else:  # the lowest threshold is any member's; the next is Exp(1)/m above
+                    while threshold < level:
+                        m = len(members)
+                        j = int(uniform() * m)
+                        v = members[j]
+                        members[j] = members[-1]
+                        members.pop()
+                        waiting -= 1
+                        start(v, t)
+                        if m == 1:
+                            break
+                        threshold -= log(1.0 - uniform()) / (m - 1)
+                    g.next = threshold
+                if not members:
+                    emptied.append(at)
             for at in emptied:
                 del groups[at]
-        stats["checks"] += 1
-        p, h = chance(c)
+        laggers = under[c - bound] if c > bound else 0
+        known = cache.get(laggers)
+        p, h = known if known is not None else chance(c)
         if p >= 1.0 or (p > 0.0 and uniform() < p):
             start(w, t)
             return
@@ -439,25 +457,6 @@ class _Group:
         self.level = 0.0  # hazard summed over the re-checks so far
         self.rate = rate  # hazard of one re-check: -log(1 - p)
         self.next = math.inf  # the level of the next release
-
-    def release(self, uniform: Callable[[], float]) -> list[int]:
-        """The waiters whose threshold `level` exceeds."""
-        members = self.members
-        if self.level == math.inf:
-            out = members[:]
-            members.clear()
-            return out
-        level, threshold, out = self.level, self.next, []
-        while members and threshold < level:
-            j = int(uniform() * len(members))
-            out.append(members[j])
-            members[j] = members[-1]
-            members.pop()
-            threshold = (
-                threshold - math.log(1.0 - uniform()) / len(members) if members else math.inf
-            )
-        self.next = threshold
-        return out
 
 
 def _per_check_literal(
