@@ -208,7 +208,8 @@ def simulate(
         if waiting[v]:
             waiting[v] = False
             wait_total[v] += t - wait_since[v]
-        started[v] = t
+        if keep_durations:
+            started[v] = t
         push(t + draw(v, clock[v] + 1), v)
 
     def wait(v: int, t: float) -> None:
