@@ -211,10 +211,12 @@ def test_a_simulation_whose_client_leaves_is_killed(
     service = serve()
     left: list[float] = []
 
-    def impatient() -> None:  # gives up after 1.5 s, and hangs up
+    # Gives up after 0.3 s, and hangs up: the spawned interpreter's start-up alone outlasts
+    # that (since issue 20 the worst-case run itself takes about 0.25 s, no longer 3 s+).
+    def impatient() -> None:
         with httpx.Client(base_url=service.url, headers=service.http.headers) as http:
             try:
-                http.post("/v1/simulate", json=WORST_SIMULATION, timeout=httpx.Timeout(5, read=1.5))
+                http.post("/v1/simulate", json=WORST_SIMULATION, timeout=httpx.Timeout(5, read=0.3))
             except httpx.ReadTimeout:
                 left.append(time.monotonic())
 
@@ -222,11 +224,11 @@ def test_a_simulation_whose_client_leaves_is_killed(
     client.start()
     running = wait_until(lambda: _simulations(service.process.pid), 10, "the simulation")
     client.join(30)
-    assert left, "the simulation answered within 1.5 s: nothing was left running"
+    assert left, "the simulation answered within 0.3 s: nothing was left running"
     _, alive = psutil.wait_procs(running, timeout=10)
     took = time.monotonic() - left[0]
     print(f"\nkilled {took:.2f}s after its client left")
-    assert not alive and took < 1.0, took  # a whole worst-case run takes 3 s or more
+    assert not alive and took < 1.0, took
     assert service.http.post("/v1/simulate", json={"workers": 10, "seconds": 10}).status_code == 200
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import hashlib
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming
+from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming, draw_sample
 from coordinator.simulator.delays import (
     Gamma,
     ShiftedExponential,
     Stragglers,
     Trace,
     parse_delay,
+    sampler,
 )
-from coordinator.simulator.engine import Result, simulate
+from coordinator.simulator.engine import Result, _Others, simulate
 from coordinator.simulator.report import write_csv
 from coordinator.simulator.spec import parse_barriers
 
@@ -331,3 +334,91 @@ def test_cli_names_the_bad_field(tmp_path):
     text = " ".join(done.stderr.replace("│", " ").split())  # undo rich's boxed wrapping
     assert "--barrier" in text and "staleness must be an integer" in text
     assert not (tmp_path / "steps.csv").exists()
+
+
+# --- the scale rewrite (issue 20): same runs where the random stream is kept, same law elsewhere
+
+
+def _fingerprint(r: Result) -> str:
+    text = repr((r.final_step, r.wait_seconds, r.max_gap, r.events, r.checks))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    ("barrier", "timing", "expected"),
+    [
+        ("bsp", SampleTiming.PER_CHECK, "afa377b36463dc66"),
+        ("ssp:3", SampleTiming.PER_CHECK, "2300c34e46c0d0ad"),
+        ("asp", SampleTiming.PER_CHECK, "196e0febc2e34109"),
+        ("dssp:1:5", SampleTiming.PER_CHECK, "e6cc4d50d409e745"),
+        ("dssp:2:6", SampleTiming.PER_CHECK, "a5d518cd7873e6cb"),
+        ("pbsp:4", SampleTiming.PER_STEP, "dbbca91078e65815"),
+        ("pssp:2:5", SampleTiming.PER_STEP, "8dae8654202c517f"),
+    ],
+)
+def test_runs_match_the_engine_before_the_scale_rewrite(barrier, timing, expected):
+    """Fingerprints recorded with the O(P)-scan engine (commit ba3c2a6): bit for bit."""
+    (spec,) = parse_barriers(barrier)
+    delay = (
+        Stragglers(0.1, 3)
+        if timing == SampleTiming.PER_CHECK
+        else Stragglers(0.1, 3, Gamma(2, 0.5))
+    )
+    assert _fingerprint(simulate(spec, 300, 60, delay, seed=5, timing=timing)) == expected
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        ShiftedExponential(1, 1),
+        ShiftedExponential(2, 0),
+        Gamma(2, 0.5),
+        Stragglers(0.3, 4),
+        Stragglers(0.5, 2, Gamma(2, 1)),
+    ],
+)
+def test_inlined_delay_draws_are_the_models_own(model):
+    rngs, again = ([random.Random(f"3:delay:{w}") for w in range(5)] for _ in range(2))
+    draw = sampler(model, rngs)
+    assert [draw(w, k) for k in range(1, 40) for w in range(5)] == [
+        model.sample(w, k, again[w]) for k in range(1, 40) for w in range(5)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("n", "me", "beta"), [(50, 0, 5), (50, 49, 5), (50, 17, 49), (7, 3, 2), (2, 1, 1)]
+)
+def test_per_step_sample_by_index_is_the_others_sample(n, me, beta):
+    by_others = draw_sample(random.Random(n + me), _Others(n, me), beta)
+    by_index = [p + (p >= me) for p in draw_sample(random.Random(n + me), range(n - 1), beta)]
+    assert by_index == by_others
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        BarrierSpec(Method.PBSP, sample=2),
+        BarrierSpec(Method.PSSP, 1, 4),
+        BarrierSpec(Method.PSSP, 3, 1),
+    ],
+)
+def test_event_driven_per_check_has_the_literal_distribution(spec):
+    """Mean final step, mean wait and checks per completion: event-driven vs decision code."""
+    runs = {
+        exact: [
+            simulate(spec, 30, 30, Gamma(2, 0.5), seed, exact_checks=exact) for seed in range(16)
+        ]
+        for exact in (False, True)
+    }
+
+    def stats(results: list[Result]) -> tuple[float, float, float]:
+        return (
+            sum(r.mean_step for r in results) / len(results),
+            sum(r.mean_wait for r in results) / len(results),
+            sum(r.checks for r in results) / sum(r.events for r in results),
+        )
+
+    fast, exact = stats(runs[False]), stats(runs[True])
+    assert fast[0] == pytest.approx(exact[0], rel=0.02)
+    assert fast[1] == pytest.approx(exact[1], rel=0.1, abs=0.2)
+    assert fast[2] == pytest.approx(exact[2], rel=0.1)
