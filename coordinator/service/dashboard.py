@@ -56,7 +56,7 @@ class SimulationRequest(BaseModel):
     barrier: Annotated[str, Field(max_length=200, description="methods, e.g. bsp,ssp:2,asp")] = (
         "bsp,ssp:2,asp"
     )
-    workers: Annotated[int, Field(ge=1, le=1000)] = 100
+    workers: Annotated[int, Field(ge=1, le=10_000)] = 100
     seconds: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 100.0
     delay: Annotated[
         str,

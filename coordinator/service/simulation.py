@@ -25,8 +25,9 @@ from typing import Any
 
 from coordinator.simulator.delays import DelayModel, Gamma, ShiftedExponential, Stragglers
 
-#: Steps over all methods; the slowest method (pbsp) simulates some 25,000 a second here.
-MAX_SIMULATED_STEPS = 100_000
+#: Steps over all methods; the slowest method (pbsp) simulates some 200,000-300,000 a
+#: second here, so a run at the bound takes about 10 s (killed at TIMEOUT_SECONDS).
+MAX_SIMULATED_STEPS = 2_000_000
 MAX_RUNNING = 1
 MAX_WAITING = 2
 TIMEOUT_SECONDS = 30.0

@@ -821,7 +821,7 @@ function simulatePage(signal) {
       <p class="muted">Virtual workers under barrier methods, without etcd: how far each gets in the same time (the same code decides every wait as in live jobs).</p>
       <form id="simulate-form" class="form inline">
         <label>Methods <input name="barrier" value="bsp,ssp:2,pssp:2:8,asp" size="28"></label>
-        <label>Workers <input name="workers" type="number" value="100" min="1" max="1000"></label>
+        <label>Workers <input name="workers" type="number" value="100" min="1" max="10000"></label>
         <label>Seconds <input name="seconds" type="number" value="100" min="1" max="1000"></label>
         <label>Step times <input name="delay" value="exp:1,1" size="16"></label>
         <label>Seed <input name="seed" type="number" value="0"></label>
