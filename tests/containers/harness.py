@@ -212,7 +212,21 @@ def build_worker_image(python_base: str, extras: str = WORKER_EXTRAS) -> str:
             "--build-arg", f"EXTRAS={extras}",
             "-f", str(context / "worker_image" / "Dockerfile"), "-t", tag, str(context),
         )  # fmt: skip
+    _remove_superseded(f"{IMAGE_PREFIX}/worker", tag)
     return tag
+
+
+def _remove_superseded(repository: str, keep: str) -> None:
+    """Earlier builds of `repository` (1.7 GB each, one per change of the code) and the
+    build stages left untagged: each run would otherwise fill the disk a little more.
+    An image a container still uses stays."""
+    listed = podman(
+        "images", "--filter", f"reference={repository}", "--format", "{{.Repository}}:{{.Tag}}",
+        check=False,
+    )  # fmt: skip
+    for old in set(listed.stdout.split()) - {keep}:
+        podman("rmi", old, check=False)
+    podman("image", "prune", "-f", check=False)
 
 
 def build_images() -> Images:
