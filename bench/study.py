@@ -196,10 +196,19 @@ def train_setting(args, workers, delay, methods, seeds, epochs, lr, momentum) ->
     step = eval_grid(workers, delay, args.data, args.batch, epochs, args.points)
     jobs = [
         dict(
-            workers=workers, delay=delay, method=method, seed=seed, data=args.data,
-            test_rows=args.test_rows, batch=args.batch, epochs=epochs, lr=lr,
-            momentum=momentum, eval_seconds=step, stop=max(args.targets),
-        )  # fmt: skip
+            workers=workers,
+            delay=delay,
+            method=method,
+            seed=seed,
+            data=args.data,
+            test_rows=args.test_rows,
+            batch=args.batch,
+            epochs=epochs,
+            lr=lr,
+            momentum=momentum,
+            eval_seconds=step,
+            stop=max(args.targets),
+        )
         for method in methods.split(",")
         for seed in range(seeds)
     ]
@@ -244,8 +253,9 @@ def part_dssp(args, out: Path, record: dict, lr: float, momentum: float) -> None
             console.print(str(exc))
         record["dssp"][name] = {
             "wall_seconds": round(time.monotonic() - began, 1),
-            "dssp_speedup_over": ratios(runs, args.targets, "dssp(S_L=3, S_U=12)",
-                                        ["bsp", "ssp(s=3)", "asp", "bsp-agg"]),  # fmt: skip
+            "dssp_speedup_over": ratios(
+                runs, args.targets, "dssp(S_L=3, S_U=12)", ["bsp", "ssp(s=3)", "asp", "bsp-agg"]
+            ),
         }
 
 
