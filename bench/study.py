@@ -233,6 +233,8 @@ def part_check(args, out: Path, record: dict) -> tuple[float, float]:
 def part_dssp(args, out: Path, record: dict, lr: float, momentum: float) -> None:
     record["dssp"] = {}
     for workers, delay in DSSP_SETTINGS:
+        if workers not in args.dssp_workers:
+            continue
         began = time.monotonic()
         runs = train_setting(args, workers, delay, args.dssp_methods, args.seeds, args.epochs,
                              lr, momentum)  # fmt: skip
@@ -241,7 +243,7 @@ def part_dssp(args, out: Path, record: dict, lr: float, momentum: float) -> None
             f"DSSP setting: P={workers}, {delay}, digits, batch {args.batch}, "
             f"{args.epochs:g} epochs, lr {lr}, momentum {momentum}, seeds 0..{args.seeds - 1}"
         )
-        name = f"dssp_p{workers}"
+        name = f"dssp_p{workers}{args.tag}"
         emit(name, title, header, rows, out)
         sub = out / name
         sub.mkdir(exist_ok=True)
@@ -300,8 +302,8 @@ def part_psp(args, out: Path, record: dict, lr: float, momentum: float) -> None:
         f"PSP setting: P={PSP_WORKERS}, {PSP_DELAY}, digits, batch {args.batch}, "
         f"{args.psp_epochs:g} epochs, lr {lr}, momentum {momentum}, seeds 0..{args.psp_seeds - 1}"
     )
-    emit("psp_train", title, header, rows, out)
-    sub = out / "psp_train"
+    emit(f"psp_train{args.tag}", title, header, rows, out)
+    sub = out / f"psp_train{args.tag}"
     sub.mkdir(exist_ok=True)
     train_report.write_csvs(runs, args.targets, sub)
     (sub / "accuracy.csv").unlink()
@@ -330,6 +332,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="fallback if the live one diverges")
     parser.add_argument("--momentum", type=float, default=0.5)
     parser.add_argument("--diverged", type=float, default=0.5, help="last accuracy below: diverged")
+    parser.add_argument(
+        "--dssp-workers",
+        type=lambda s: [int(p) for p in s.split(",")],
+        default=[2, 4, 16],
+        help="which of the DSSP settings (P) to run",
+    )
+    parser.add_argument(
+        "--force-optimizer", action="store_true", help="skip the check: train with --lr/--momentum"
+    )
+    parser.add_argument("--tag", default="", help="suffix of the output names")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -337,7 +349,9 @@ def main() -> None:
     record["settings"] = {k: str(v) for k, v in vars(args).items() if k != "out"}
     began = time.monotonic()
     lr, momentum = args.lr, args.momentum
-    if args.part in ("all", "check", "dssp", "psp"):
+    if args.force_optimizer:
+        record["check"] = {"forced": True, "lr": lr, "momentum": momentum}
+    elif args.part in ("all", "check", "dssp", "psp"):
         t = time.monotonic()
         lr, momentum = part_check(args, args.out, record)
         record["check"]["wall_seconds"] = round(time.monotonic() - t, 1)
@@ -349,7 +363,7 @@ def main() -> None:
         part_psp(args, args.out, record, lr, momentum)
     record["wall_seconds"] = round(time.monotonic() - began, 1)
     console.print(f"wall time {record['wall_seconds']:.1f} s")
-    (args.out / f"study-{args.part}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / f"study-{args.part}{args.tag}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
