@@ -200,7 +200,7 @@ def test_simulate_refuses_trace_and_work_beyond_its_budget(
     assert ["body", "delay"] in detail_locations(costly)
     assert ["body", "workers"] in detail_locations(costly)
     # The bound counts methods: one method fits where three of the same size do not.
-    one = {"barrier": "asp", "workers": 1000, "seconds": 150, "delay": "exp:1,1"}
+    one = {"barrier": "asp", "workers": 10000, "seconds": 300, "delay": "exp:1,1"}  # 1.5M steps
     assert service.http.post("/v1/simulate", json=one).status_code == 200
     three = service.http.post("/v1/simulate", json={**one, "barrier": "asp,bsp,ssp:1"})
     assert ["body", "barrier"] in detail_locations(three)
