@@ -326,7 +326,9 @@ def test_a_crashed_program_fails_every_member_at_once_naming_the_first_to_fail(
 ) -> None:
     """Rank 1's program exits 7 while the others wait for it in an all_reduce, which then
     fails there too. No member is lost, so nobody waits for a TTL (30 s here): every
-    member names rank 1's exit 7, the first failure, within seconds."""
+    member fails within seconds, naming every program's failure, rank 1's exit 7 among
+    them (which program ended first is a hint: torch's teardown can make rank 1's exit
+    come after the others')."""
     ttl = 30
     procs, _, pids = start_programs(
         etcd_server, etcd, spawn, tmp_path, "crashed", 3, "block_in_allreduce.py", ttl=ttl,
@@ -337,7 +339,10 @@ def test_a_crashed_program_fails_every_member_at_once_naming_the_first_to_fail(
         assert proc.wait_exit(timeout=ttl) == 9, proc.stderr[-3:]
         failed = proc.wait_event(lambda e: e["event"] == "failed")
         assert failed["error"] == "ProgramFailed", failed
-        assert failed["message"].startswith("rank 1: the program exited with code 7"), failed
+        message = failed["message"]
+        assert message.count("exited with code") == 3, failed  # every program's failure
+        first = message.startswith("rank 1: the program exited with code 7")
+        assert first or "then rank 1's program exited with code 7" in message, failed
     assert time.monotonic() - began < ttl / 3  # far sooner than any lease could expire
     wait_until(lambda: gone(pids), 10, "every process of every member to end")
     wait_until(lambda: rendezvous_keys(etcd, "crashed") == [], 10, "no rendezvous key")

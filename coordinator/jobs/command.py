@@ -246,12 +246,13 @@ class CommandJob:
     def _cause(self, member: Member, status: str) -> RendezvousError:
         """Why this member's program failed. A program often fails because a peer's did (a
         collective's socket closed), so every member whose program fails says in etcd when
-        it ended, and the one that ended first is named (hosts' clocks are assumed in step
-        to well under the time a failure takes to spread). Once every member's program
-        failed, that is known at once. Otherwise a member waits up to a TTL + 2 s for a
-        lost member (killed: it says nothing) and names that, or else the first failure
-        seen (itself, perhaps). A member gone after its program failed (its key's last
-        state says so) is not a loss here: it failed like us."""
+        it ended; the one that ended first is named, then the others in order (hosts'
+        clocks are assumed in step to well under the time a failure takes to spread).
+        Once every member's program failed, that is known at once. Otherwise a member
+        waits up to a TTL + 2 s for a lost member (killed: it says nothing) and names
+        that, or else the failures seen (its own among them). A member gone after its
+        program failed (its key's last state says so) is not a loss here: it failed
+        like us."""
         rank = member.rank or 0
         prefix = f"{member.keys.job}command/{member.round}/failed/"
         ended = self._ended_at
@@ -286,11 +287,13 @@ class CommandJob:
                     return MemberLost(lost[0], "program", loss_reason(gone[lost[0]]))
                 remaining = deadline - time.monotonic()
                 if len(set(failed) | alike) == self.world_size or remaining <= 0:
-                    first = min(failed, key=lambda r: failed[r][:2], default=rank)
-                    if first == rank or failed[first][:2] >= mine:
-                        return ProgramFailed(rank, status)
-                    why = failed[first][2]
-                    return ProgramFailed(first, f"{why}; rank {rank}'s program then {status}")
+                    failed[rank] = (*mine, status)
+                    order = sorted(failed, key=lambda r: failed[r][:2])
+                    first, then = order[0], order[1:]
+                    # Which ended first is a hint (a program's exit can lag its failure):
+                    # every failure is named, in the order the programs ended.
+                    also = "".join(f"; then rank {r}'s {failed[r][2]}" for r in then)
+                    return ProgramFailed(first, failed[first][2] + also)
                 changed.wait(remaining)
                 changed.clear()
         finally:
