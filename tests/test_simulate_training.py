@@ -126,6 +126,7 @@ def test_exactly_plain_synchronous_sgd(workers: int, method: Method, aggregate: 
     torch.testing.assert_close(run.weights, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # ~11 s: two seeds of two methods to 0.9
 def test_asp_beats_bsp_to_90_percent_with_a_3x_straggler() -> None:
     """P=2, one trainer 3x slower: BSP waits for it every step, ASP does not (stale
     gradients from the straggler cost less than the waiting). SGD lr 0.05, momentum 0.5:
