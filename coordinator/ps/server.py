@@ -229,10 +229,9 @@ class ParameterServer:
                         wire.send(sock, Kind.ACK, version, staleness)
                     else:  # the step's weights (or later ones), in the same round trip
                         self._send(sock, *self._borrow_at_least(version, None), staleness)
-                elif header.kind == Kind.PUSH:
-                    self._apply(sock, trainer, header.b, header.a, grad)
                 else:
-                    self._apply_and_borrow(sock, trainer, header.b, header.a, grad)
+                    weights_back = header.kind == Kind.PUSH_PULL
+                    self._apply(sock, trainer, header.b, header.a, grad, weights_back)
             else:
                 wire.expect_no_payload(header)
                 with self.changed:
@@ -266,26 +265,27 @@ class ParameterServer:
     # -- updates ----------------------------------------------------------
 
     def _apply(
-        self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
+        self,
+        sock: socket.socket,
+        trainer: int,
+        clock: int,
+        computed_from: int,
+        grad: torch.Tensor,
+        weights_back: bool = False,
     ) -> None:
-        """ACK first, then update, under the lock: the trainer goes on at once, and any pull
-        (taking the lock) still sees every gradient acknowledged before it. The ACK is 32
-        bytes to a trainer that waits for it, so sending it never blocks."""
+        """A PUSH: ACK first, then update, under the lock: the trainer goes on at once, and
+        any pull (taking the lock) still sees every gradient acknowledged before it. The
+        ACK is 32 bytes to a trainer that waits for it, so sending it never blocks.
+        A PUSH_PULL (`weights_back`): update, then send the weights just published (this
+        gradient applied: read-your-writes), without the lock."""
         with self.changed:
             applied = Applied(trainer, clock, computed_from, self.version, self._now())
-            wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
+            if not weights_back:
+                wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
             self.trainers[trainer].clock = clock  # before the update: its checkpoint has it
             self._update(grad, [applied])
-
-    def _apply_and_borrow(
-        self, sock: socket.socket, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
-    ) -> None:
-        """A PUSH_PULL: update under the lock, then send the weights just published (this
-        gradient applied: read-your-writes) in the same round trip, without the lock."""
-        with self.changed:
-            applied = Applied(trainer, clock, computed_from, self.version, self._now())
-            self._update(grad, [applied])
-            self.trainers[trainer].clock = clock
+            if not weights_back:
+                return
             weights, version = self.weights.borrow(), self.version
         self._send(sock, weights, version, applied.staleness)
 
