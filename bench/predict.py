@@ -1,27 +1,43 @@
 """The simulator's prediction of live runs: total training time and time to accuracy.
 
-For each method and seed, a live `mnist` job (1 server, `--trainers` trainers,
-real processes, embedded etcd) trains and records every trainer's step
-durations (`step_times.csv`: from the barrier letting a step start to the
-trainer's next barrier call; barrier waits left out) and its evaluation curve
-(server 0, every `--eval-seconds` of wall time, or back to back when an
-evaluation takes longer). The simulator then trains the same model on the same
-shards with the same optimizer (the job's own `parse`), replaying those
-durations as its delay model (`trace:`, no transfer added: the trace holds it),
-under the same barrier decisions, and predicts:
+For each method, setting (uniform, or the last trainer a 3x straggler) and seed,
+a live `mnist` job (1 server, `--trainers` trainers, real processes, embedded
+etcd) trains and records every trainer's step durations (`step_times.csv`: from
+the barrier letting a step start to the trainer's next barrier call; barrier
+waits left out) and its evaluation curve (server 0, every `--eval-seconds` of
+wall time, or back to back when an evaluation takes longer). The simulator then
+trains the same model on the same shards with the same optimizer (the job's own
+`parse`), replaying those durations as its delay model (`trace:`, no transfer
+added: the trace holds it), under the same barrier decisions, and predicts:
 
 - the whole run's training time (error = predicted / live - 1);
-- the time to `--target` accuracy. The live time is only known to lie between
+- the time to each of `--targets`. The live time is only known to lie between
   the last evaluation below the target and the first at or above it; the error
   is the prediction's distance outside that interval, over the live time (0 when
   the prediction falls inside it).
 
     python bench/predict.py                               # bsp, ssp, asp; 1 seed
-    python bench/predict.py --seeds 3 --straggler         # the last trainer 3x slower
+    python bench/predict.py --methods all --seeds 3 --trainers 3 --straggler both \
+        --out docs/methods/live                           # the live comparison (~15 min)
+    python bench/predict.py --replot --out docs/methods/live
+
+The optimizer is SGD with lr 0.02 and momentum 0.5, not the job's default momentum
+0.9: with 3 trainers applying gradients one by one, momentum 0.9 is on the edge of
+stability, and whether a run diverges depends on the exact order in which gradients
+land (simulated runs of one seed diverge with one order and reach 0.93 with another),
+which a live run and its replay share only in distribution. With momentum 0.5 the order
+changes the accuracy by about 0.01.
+
+With `--out`: `runs.json` (every run, its curves), `live_vs_simulated.md` and `.csv`
+(per method and setting: live and predicted time to each target, mean and 95 %
+interval over the seeds) and `live_vs_simulated.png`.
 """
 
 from __future__ import annotations
 
+import csv
+import json
+import math
 import statistics
 import sys
 import tempfile
@@ -30,23 +46,27 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from methods import METHODS, Run, run_one  # bench/methods.py
+from methods import COLORS, LABELS, METHODS, Run, run_one  # bench/methods.py
 
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import parse
 from coordinator.simulator.delays import Trace
+from coordinator.simulator.train_report import t975
 from coordinator.simulator.training import TrainingData, TrainingRun, Transfer, train
 
-console = Console(width=120)
+console = Console(width=160)
 NO_TRANSFER = Transfer(latency=0.0, bandwidth=1e18)  # the trace's durations include it
+SETTINGS = {"off": [False], "on": [True], "both": [False, True]}
 
 
-def simulate_live(params: dict[str, str], world_size: int, trace: Path) -> TrainingRun:
+def simulate_live(
+    params: dict[str, str], world_size: int, trace: Path, eval_seconds: float
+) -> TrainingRun:
     """The simulator's run of the job `params` describes, on the live run's `trace`."""
     options = parse(params, world_size)
     data = TrainingData.load(options.data, options.trainers)
@@ -59,8 +79,9 @@ def simulate_live(params: dict[str, str], world_size: int, trace: Path) -> Train
         seed=options.seed,
         optimizer=options.optimizer,
         aggregate=options.aggregate,
-        eval_seconds=0.05,
+        eval_seconds=eval_seconds,
         transfer=NO_TRANSFER,
+        own_shards=True,  # each trainer its own shard's epochs, as live
     )
 
 
@@ -81,74 +102,242 @@ def outside(value: float, interval: tuple[float, float]) -> float:
     return (min(value - low, 0.0) + max(value - high, 0.0)) / high
 
 
-def main(
-    methods: Annotated[str, typer.Option(help="comma-separated, of bench/methods.py's")] = (
-        "bsp,ssp,asp"
-    ),
-    seeds: Annotated[int, typer.Option(min=1, help="live runs per method (seeds 0..K-1)")] = 1,
-    trainers: Annotated[int, typer.Option(min=1)] = 2,
-    epochs: Annotated[int, typer.Option(min=1)] = 5,
-    target: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.95,
-    eval_seconds: Annotated[float, typer.Option(min=0.05)] = 0.1,
-    straggler: Annotated[bool, typer.Option(help="the last trainer 3x slower")] = False,
-) -> None:
-    chosen = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in METHODS]
-    if unknown:
-        raise typer.BadParameter(f"unknown: {', '.join(unknown)}", param_hint="--methods")
+def mean_interval(values: list[float]) -> tuple[float, float, float] | None:
+    """The mean and its 95 % Student-t interval (the mean itself for one value)."""
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, mean, mean
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def shown(values: list[float], seeds: int) -> str:
+    """`mean [low, high] (reached/seeds)`, or `never (0/seeds)`."""
+    value = mean_interval(values)
+    if value is None:
+        return f"never (0/{seeds})"
+    mean, low, high = value
+    band = f" [{low:.2f}, {high:.2f}]" if len(values) > 1 else ""
+    return f"{mean:.2f}{band} ({len(values)}/{seeds})"
+
+
+def live_runs(
+    chosen: list[str], settings: list[bool], seeds: int, trainers: int, epochs: int,
+    eval_seconds: float, targets: list[float], optimizer: dict[str, str],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every live run and its prediction: one record per (setting, method, seed)."""
     world_size = trainers + 1
-    title = f"live vs simulated from the live trace (time to {target:g}: live interval)"
-    table = Table(title=title)
-    for column in ("method", "seed", "live s", "predicted s", "error", f"live to {target:g}",
-                   "predicted", "error "):  # fmt: skip
-        table.add_column(column, justify="left" if column == "method" else "right")
-    errors: dict[str, list[tuple[float, float]]] = {m: [] for m in chosen}
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    records = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
     with (
         tempfile.TemporaryDirectory() as scratch,
         EmbeddedEtcd() as etcd,
         Progress(*columns, console=console, transient=True) as progress,
     ):
         etcd.security.export()  # members log in as root (auth is on)
-        for method in chosen:
-            for seed in range(seeds):
-                artifacts = Path(scratch) / "artifacts"
-                params = {
-                    **METHODS[method], "epochs": str(epochs), "seed": str(seed),
-                    "eval_seconds": str(eval_seconds), "artifacts": str(artifacts),
-                }  # fmt: skip
-                if straggler:
-                    params |= {"straggler_rank": str(world_size - 1), "straggler_factor": "3"}
-                task = progress.add_task(f"{method} seed {seed}: live", total=None)
-                summary = run_one(
-                    etcd.endpoint, artifacts, Run(method, straggler), params, world_size,
-                    progress, task,
-                )  # fmt: skip
-                progress.update(task, description=f"{method} seed {seed}: simulated")
-                run = simulate_live(params, world_size, Path(summary["step_times_path"]))
-                progress.remove_task(task)
-                total_error = run.virtual_seconds / summary["seconds"] - 1
-                interval = live_interval(summary["metrics"], target)
-                predicted = run.time_to(target)
-                reach_error = (
-                    outside(predicted, interval) if interval and predicted is not None else None
-                )
-                if reach_error is not None:
-                    errors[method].append((total_error, reach_error))
-                table.add_row(
-                    method, str(seed), f"{summary['seconds']:.2f}", f"{run.virtual_seconds:.2f}",
-                    f"{total_error:+.0%}",
-                    "never" if interval is None else f"{interval[0]:.2f}-{interval[1]:.2f}",
-                    "never" if predicted is None else f"{predicted:.2f}",
-                    "" if reach_error is None else f"{reach_error:+.0%}",
-                )  # fmt: skip
-    console.print(table)
-    for method, values in errors.items():
-        if values:
-            total = statistics.fmean(abs(t) for t, _ in values)
-            reach = statistics.fmean(abs(r) for _, r in values)
-            console.print(f"{method}: mean |error| {total:.0%} (total time), {reach:.0%} "
-                          f"(time to {target:g}) over {len(values)} run(s)")  # fmt: skip
+        overall = progress.add_task("runs", total=len(chosen) * len(settings) * seeds)
+        for straggler in settings:
+            for method in chosen:
+                for seed in range(seeds):
+                    artifacts = Path(scratch) / "artifacts"
+                    params = {
+                        **METHODS[method], "epochs": str(epochs), "seed": str(seed),
+                        "eval_seconds": str(eval_seconds), "artifacts": str(artifacts),
+                        **optimizer,
+                    }  # fmt: skip
+                    if straggler:
+                        params |= {"straggler_rank": str(trainers), "straggler_factor": "3"}
+                    run = Run(method, straggler)
+                    task = progress.add_task(f"{method} {run.setting} seed {seed}", total=None)
+                    summary = run_one(etcd.endpoint, artifacts, run, params, world_size,
+                                      progress, task)  # fmt: skip
+                    progress.update(task, description=f"{method} seed {seed}: simulating")
+                    simulated = simulate_live(
+                        params, world_size, Path(summary["step_times_path"]), eval_seconds
+                    )
+                    progress.remove_task(task)
+                    progress.advance(overall)
+                    records.append({
+                        "method": method, "setting": run.setting, "seed": seed,
+                        "live_seconds": summary["seconds"],
+                        "predicted_seconds": simulated.virtual_seconds,
+                        "live_curve": [[m["t"], m["accuracy"]] for m in summary["metrics"]],
+                        "predicted_curve": [[e.virtual_seconds, e.accuracy]
+                                            for e in simulated.evaluations],
+                        "targets": {f"{t:g}": {"live": live_interval(summary["metrics"], t),
+                                               "predicted": simulated.time_to(t)}
+                                    for t in targets},
+                    })  # fmt: skip
+    return records
+
+
+def per_run_table(records: list[dict[str, Any]], targets: list[str]) -> Table:
+    table = Table(title="each run: live, and simulated from its own trace")
+    for column in ("method", "setting", "seed", "live s", "predicted s", "error"):
+        table.add_column(column, justify="left" if column in ("method", "setting") else "right")
+    for target in targets:
+        table.add_column(f"live to {target}", justify="right")
+        table.add_column("predicted", justify="right")
+        table.add_column("error", justify="right")
+    for r in records:
+        cells = [LABELS[r["method"]], r["setting"], str(r["seed"]), f"{r['live_seconds']:.2f}",
+                 f"{r['predicted_seconds']:.2f}",
+                 f"{r['predicted_seconds'] / r['live_seconds'] - 1:+.0%}"]  # fmt: skip
+        for target in targets:
+            live, predicted = r["targets"][target]["live"], r["targets"][target]["predicted"]
+            cells.append("never" if live is None else f"{live[0]:.2f}-{live[1]:.2f}")
+            cells.append("never" if predicted is None else f"{predicted:.2f}")
+            both = live is not None and predicted is not None
+            cells.append(f"{outside(predicted, live):+.0%}" if both else "")
+        table.add_row(*cells)
+    return table
+
+
+def summary_rows(records: list[dict[str, Any]], targets: list[str]) -> list[dict[str, str]]:
+    """Per (method, setting): live and predicted times, mean [95 %] (reached/seeds), and the
+    mean |error| over the runs where both reached the target. Live time: the first
+    evaluation at or above the target."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["setting"], r["method"]), []).append(r)
+    rows = []
+    for (setting, method), runs in groups.items():
+        totals = [abs(r["predicted_seconds"] / r["live_seconds"] - 1) for r in runs]
+        row = {"method": LABELS[method], "setting": setting,
+               "live s": shown([r["live_seconds"] for r in runs], len(runs)),
+               "predicted s": shown([r["predicted_seconds"] for r in runs], len(runs)),
+               "|error|": f"{statistics.fmean(totals):.0%}"}  # fmt: skip
+        for target in targets:
+            at = [r["targets"][target] for r in runs]
+            live = [t["live"][1] for t in at if t["live"] is not None]
+            predicted = [t["predicted"] for t in at if t["predicted"] is not None]
+            errors = [abs(outside(t["predicted"], t["live"])) for t in at
+                      if t["live"] is not None and t["predicted"] is not None]  # fmt: skip
+            row[f"live to {target}"] = shown(live, len(runs))
+            row[f"predicted to {target}"] = shown(predicted, len(runs))
+            row[f"|error| to {target}"] = f"{statistics.fmean(errors):.0%}" if errors else ""
+        rows.append(row)
+    return rows
+
+
+def write_summary(rows: list[dict[str, str]], out: Path) -> None:
+    header = list(rows[0])
+    with (out / "live_vs_simulated.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(":---" if h in ("method", "setting") else "---:" for h in header) + "|",
+    ]
+    lines += ["| " + " | ".join(row[h] for h in header) + " |" for row in rows]  # fmt: skip
+    (out / "live_vs_simulated.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(records: list[dict[str, Any]], target: str, out: Path) -> None:
+    """Top: seed 0's accuracy against seconds, live (solid) and simulated (dashed), per
+    setting. Bottom: time to `target`, live and predicted, mean and 95 % interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(r["setting"] for r in records))
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    figure, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8), squeeze=False)
+    for column, setting in enumerate(settings):
+        top, bottom = axes[0][column], axes[1][column]
+        for method in methods:
+            first = [r for r in records if (r["setting"], r["method"], r["seed"]) ==
+                     (setting, method, 0)]  # fmt: skip
+            for r in first:
+                for curve, style in (("live_curve", "-"), ("predicted_curve", "--")):
+                    xs, ys = zip(*r[curve], strict=True) if r[curve] else ((), ())
+                    top.plot(xs, ys, style, color=COLORS[method], linewidth=1.2,
+                             label=LABELS[method] if style == "-" else None)  # fmt: skip
+        top.set(title=f"{setting}: seed 0, live (solid) and simulated (dashed)",
+                xlabel="seconds", ylabel="test accuracy", ylim=(0.5, 1.0))  # fmt: skip
+        top.legend(fontsize=8, loc="lower right")
+        for index, method in enumerate(methods):
+            mine = [r["targets"][target] for r in records
+                    if (r["setting"], r["method"]) == (setting, method)]  # fmt: skip
+            for offset, (values, hatch) in enumerate((
+                ([t["live"][1] for t in mine if t["live"] is not None], ""),
+                ([t["predicted"] for t in mine if t["predicted"] is not None], "//"),
+            )):  # fmt: skip
+                value = mean_interval(values)
+                if value is None:
+                    continue
+                mean, low, high = value
+                bottom.bar(index + 0.4 * offset, mean, width=0.38, color=COLORS[method],
+                           hatch=hatch, edgecolor="black", yerr=[[mean - low], [high - mean]],
+                           capsize=3)  # fmt: skip
+        bottom.set_xticks([i + 0.2 for i in range(len(methods))],
+                          [LABELS[m] for m in methods], rotation=20, fontsize=8)  # fmt: skip
+        bottom.set(title=f"{setting}: seconds to {target}, live (plain) and predicted (hatched)",
+                   ylabel="seconds")  # fmt: skip
+    figure.tight_layout()
+    figure.savefig(out / "live_vs_simulated.png", dpi=110)
+    plt.close(figure)
+
+
+def main(
+    methods: Annotated[str, typer.Option(help="comma-separated, of bench/methods.py's, or all")] = (
+        "bsp,ssp,asp"
+    ),
+    seeds: Annotated[int, typer.Option(min=1, help="live runs per method (seeds 0..K-1)")] = 1,
+    trainers: Annotated[int, typer.Option(min=1)] = 2,
+    epochs: Annotated[int, typer.Option(min=1)] = 5,
+    targets: Annotated[str, typer.Option(help="comma-separated accuracies in (0, 1]")] = "0.9,0.95",
+    eval_seconds: Annotated[float, typer.Option(min=0.05)] = 0.1,
+    straggler: Annotated[str, typer.Option(help="the last trainer 3x slower: off, on or both")] = (
+        "off"
+    ),
+    lr: Annotated[float, typer.Option(min=0.0)] = 0.02,
+    momentum: Annotated[float, typer.Option(min=0.0, max=0.99, help="(why not 0.9: above)")] = 0.5,
+    out: Annotated[Path | None, typer.Option(help="write the tables, runs and plot here")] = None,
+    replot: Annotated[bool, typer.Option(help="only redo tables and plot from --out")] = False,
+) -> None:
+    chosen = list(METHODS) if methods == "all" else [m.strip() for m in methods.split(",") if m]
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown:
+        raise typer.BadParameter(f"unknown: {', '.join(unknown)}", param_hint="--methods")
+    if straggler not in SETTINGS:
+        raise typer.BadParameter(f"{straggler!r} is not off, on or both", param_hint="--straggler")
+    try:
+        wanted = [float(t) for t in targets.split(",")]
+    except ValueError:
+        raise typer.BadParameter(
+            f"{targets!r} is not a list of numbers", param_hint="--targets"
+        ) from None
+    if not wanted or not all(0 < t <= 1 for t in wanted):
+        raise typer.BadParameter("each target must lie in (0, 1]", param_hint="--targets")
+    if replot:
+        if out is None:
+            raise typer.BadParameter("--replot needs --out", param_hint="--out")
+        records = json.loads((out / "runs.json").read_text())
+    else:
+        records = live_runs(chosen, SETTINGS[straggler], seeds, trainers, epochs, eval_seconds,
+                            wanted, {"lr": str(lr), "momentum": str(momentum)})  # fmt: skip
+    names = list(records[0]["targets"])
+    console.print(per_run_table(records, names))
+    rows = summary_rows(records, names)
+    summary = Table(title="per method: mean [95 % interval] (reached/seeds), seconds")
+    for column in rows[0]:
+        summary.add_column(column, justify="left" if column in ("method", "setting") else "right")
+    for row in rows:
+        summary.add_row(*row.values())
+    console.print(summary)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if not replot:
+            (out / "runs.json").write_text(json.dumps(records, indent=1) + "\n")
+        write_summary(rows, out)
+        plot(records, names[-1], out)
+        console.print(f"wrote {out}/live_vs_simulated.md, .csv, .png and runs.json")
 
 
 if __name__ == "__main__":

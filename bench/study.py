@@ -5,9 +5,12 @@ trained in virtual time (`training.train`, what `coordinator simulate --train mn
 runs) and the step engine (`engine.simulate`, `coordinator simulate` without --train).
 Results are deterministic; only the wall time depends on the machine.
 
-    python bench/study.py                    # everything (check, dssp, steps, psp)
+    python bench/study.py                    # every table of docs/methods/study.md (~25 min)
     python bench/study.py --part dssp        # one table group
     python bench/study.py --seeds 3 --jobs 1 # fewer seeds, one process
+
+With no --part, the commands of `STUDY` run one after another: each writes the
+tables study.md shows, with the same settings.
 
 Parts:
 - check: the live job's optimizer (lr 0.02, momentum 0.9) at P=4, seed 0: if a
@@ -54,6 +57,18 @@ DSSP_SETTINGS = [(2, "straggler:0.5,3"), (4, "straggler:0.25,3"), (16, "straggle
 PSP_WORKERS = 64
 PSP_DELAY = "straggler:0.25,3"
 LIVE = (0.02, 0.9)
+#: The whole study: one command per table group of docs/methods/study.md. The check's
+#: optimizer (lr 0.05, momentum 0.5: the live one diverges) is too large a step at P=16 and
+#: P=64, so those also run with smaller steps.
+SMALL_STEP = ["--force-optimizer", "--momentum", "0", "--targets", "0.6,0.7,0.8"]
+STUDY = [
+    ["--part", "dssp"],  # the check, then P=2, 4, 16
+    ["--part", "steps"],
+    ["--part", "dssp", "--dssp-workers", "16", *SMALL_STEP, "--lr", "0.01", "--epochs", "4",
+     "--tag", "_lr0.01"],
+    ["--part", "psp", *SMALL_STEP, "--lr", "0.01", "--psp-epochs", "4", "--tag", "_lr0.01"],
+    ["--part", "psp", *SMALL_STEP, "--lr", "0.003", "--psp-epochs", "4", "--tag", "_lr0.003"],
+]  # fmt: skip
 
 
 def specs_of(text: str) -> list[tuple[BarrierSpec, bool]]:
@@ -310,9 +325,14 @@ def part_psp(args, out: Path, record: dict, lr: float, momentum: float) -> None:
     record["psp"] = {"wall_seconds": round(time.monotonic() - began, 1)}
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    if not any(a == "--part" or a.startswith("--part=") for a in argv):
+        for command in STUDY:
+            console.rule("python bench/study.py " + " ".join([*command, *argv]))
+            main([*command, *argv])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", default="all", choices=["all", "check", "dssp", "steps", "psp"])
+    parser.add_argument("--part", required=True, choices=["check", "dssp", "steps", "psp"])
     parser.add_argument("--out", type=Path, default=ROOT / "docs/methods/study")
     parser.add_argument("--seeds", type=int, default=5, help="seeds of the DSSP tables")
     parser.add_argument("--psp-seeds", type=int, default=3)
@@ -343,23 +363,23 @@ def main() -> None:
     )
     parser.add_argument("--tag", default="", help="suffix of the output names")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    record: dict = {"command": " ".join(["python bench/study.py", *sys.argv[1:]])}
+    record: dict = {"command": " ".join(["python bench/study.py", *argv])}
     record["settings"] = {k: str(v) for k, v in vars(args).items() if k != "out"}
     began = time.monotonic()
     lr, momentum = args.lr, args.momentum
     if args.force_optimizer:
         record["check"] = {"forced": True, "lr": lr, "momentum": momentum}
-    elif args.part in ("all", "check", "dssp", "psp"):
+    elif args.part in ("check", "dssp", "psp"):
         t = time.monotonic()
         lr, momentum = part_check(args, args.out, record)
         record["check"]["wall_seconds"] = round(time.monotonic() - t, 1)
-    if args.part in ("all", "dssp"):
+    if args.part == "dssp":
         part_dssp(args, args.out, record, lr, momentum)
-    if args.part in ("all", "steps"):
+    if args.part == "steps":
         part_steps(args, args.out, record)
-    if args.part in ("all", "psp"):
+    if args.part == "psp":
         part_psp(args, args.out, record, lr, momentum)
     record["wall_seconds"] = round(time.monotonic() - began, 1)
     console.print(f"wall time {record['wall_seconds']:.1f} s")
@@ -367,4 +387,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -133,7 +133,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         sources = ["embedded", "container"] if choice == "both" else [choice]
         if metafunc.definition.get_closest_marker("one_etcd") and len(sources) > 1:
             sources = sources[:1]  # what it tests does not depend on where etcd runs
-        metafunc.parametrize("etcd_source", sources, scope="session")
+        later = metafunc.definition.get_closest_marker("container_etcd_slow") is not None
+        params = [
+            pytest.param(s, marks=pytest.mark.slow) if later and s == "container" else s
+            for s in sources
+        ]
+        metafunc.parametrize("etcd_source", params, scope="session")
 
 
 class EtcdContainer:

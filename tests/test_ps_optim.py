@@ -44,6 +44,28 @@ def test_steps_match_torch_and_never_write_the_weights_they_read(name: str) -> N
     assert not torch.allclose(weights, start)
 
 
+def test_the_learning_rate_decays_as_torch_step_lr_does() -> None:
+    """The live job's schedule (`lr_decay` once per epoch's updates), shared with the
+    simulator: after every `decay_every` steps, lr times `decay`."""
+    spec = OptimizerSpec("sgd", 0.05, momentum=0.9, decay=0.5, decay_every=2)
+    generator = torch.Generator().manual_seed(2)
+    start = torch.randn(100, generator=generator)
+    reference = nn.Parameter(start.clone())
+    expected = torch_optimizer(spec, reference)
+    schedule = torch.optim.lr_scheduler.StepLR(expected, step_size=2, gamma=0.5)
+    ours, weights = FlatOptimizer(spec, 100), start.clone()
+    for _ in range(7):
+        grad = torch.randn(100, generator=generator)
+        reference.grad = grad.clone()
+        expected.step()
+        schedule.step()
+        updated = torch.empty(100)
+        ours.step(weights, grad, out=updated)
+        weights = updated
+        assert torch.allclose(weights, reference.detach(), atol=1e-6)
+    assert ours.lr == pytest.approx(0.05 * 0.5**3)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_a_restored_state_continues_exactly(name: str) -> None:
     spec = SPECS[name]

@@ -19,6 +19,7 @@ from tests.conftest import member_proc_args, wait_until, worker_args
 TTL = 2  # etcd's minimum: a lost member must be noticed within TTL + 2 s
 
 
+@pytest.mark.container_etcd_slow  # the suite's budget: the other tests use etcd in a container
 @pytest.mark.parametrize("n", [2, 8, 32])
 def test_members_rendezvous_with_distinct_ranks_one_roster_and_true_barriers(
     n: int, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn

@@ -17,13 +17,18 @@ from typer.testing import CliRunner  # noqa: E402
 from coordinator.barriers.policy import BarrierSpec, Method  # noqa: E402
 from coordinator.cli import app  # noqa: E402
 from coordinator.datasets.mnist import parse_mnist  # noqa: E402
-from coordinator.jobs.mnist import batch_rows  # noqa: E402
+from coordinator.jobs.mnist import batch_rows, steps_per_epoch  # noqa: E402
 from coordinator.ps.model import FlatModel  # noqa: E402
 from coordinator.ps.optim import OptimizerSpec  # noqa: E402
 from coordinator.simulator import train_report  # noqa: E402
-from coordinator.simulator.delays import Stragglers, parse_delay  # noqa: E402
+from coordinator.simulator.delays import Stragglers, Trace, parse_delay  # noqa: E402
 from coordinator.simulator.engine import Hooks, simulate  # noqa: E402
-from coordinator.simulator.training import TrainingData, initial_weights, train  # noqa: E402
+from coordinator.simulator.training import (  # noqa: E402
+    TrainingData,
+    Transfer,
+    initial_weights,
+    train,
+)
 
 runner = CliRunner()
 SEEDS = (0, 1)
@@ -90,6 +95,7 @@ def plain_sgd(shards: TrainingData, steps: int, seed: int, opt: OptimizerSpec) -
     their gradients averaged."""
     model = initial_weights(seed)
     sgd = torch.optim.SGD(model.parameters(), lr=opt.lr, momentum=opt.momentum)
+    schedule = torch.optim.lr_scheduler.StepLR(sgd, step_size=opt.decay_every, gamma=opt.decay)
     for step in range(steps):
         sgd.zero_grad()
         for trainer, (x, y) in enumerate(shards.shards):
@@ -98,6 +104,7 @@ def plain_sgd(shards: TrainingData, steps: int, seed: int, opt: OptimizerSpec) -
         for p in model.parameters():
             p.grad /= shards.workers
         sgd.step()
+        schedule.step()
     return FlatModel.build(model, 1).params
 
 
@@ -108,7 +115,7 @@ def plain_sgd(shards: TrainingData, steps: int, seed: int, opt: OptimizerSpec) -
 def test_exactly_plain_synchronous_sgd(workers: int, method: Method, aggregate: bool) -> None:
     """One trainer (any method), or BSP-aggregate with equal delays at P=2."""
     shards = data(workers, test_rows=50)
-    opt, steps, seed = OptimizerSpec("sgd", 0.02, 0.9), 12, 3
+    opt, steps, seed = OptimizerSpec("sgd", 0.02, 0.9, decay=0.7, decay_every=5), 12, 3
     spec = BarrierSpec(method, staleness=2 if method == Method.SSP else 0)
     run = train(
         spec, shards, batch_size=32, epochs=steps * 32 * workers / shards.train_count,
@@ -124,6 +131,25 @@ def test_exactly_plain_synchronous_sgd(workers: int, method: Method, aggregate: 
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(run.weights, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_with_own_shards_each_trainer_makes_its_epochs_and_a_straggler_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """As live: each trainer stops after its own shard's epochs, so under ASP the 3x
+    straggler's last step ends the run (the fast trainers idle meanwhile, doing nothing);
+    counted globally, the fast trainers would make up the straggler's share."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("worker,step,seconds\n0,1,1.0\n1,1,1.0\n2,1,3.0\n")
+    shards = data(3, test_rows=50)
+    steps = [steps_per_epoch(len(y), 32) for _, y in shards.shards]
+    common = dict(batch_size=32, epochs=1, delay=Trace(trace), eval_updates=1000,
+                  transfer=Transfer(latency=0.0, bandwidth=1e18))  # fmt: skip
+    own = train(BarrierSpec(Method.ASP), shards, own_shards=True, **common)
+    assert own.updates == sum(steps)
+    assert own.virtual_seconds == pytest.approx(3.0 * steps[2])
+    shared = train(BarrierSpec(Method.ASP), shards, **common)
+    assert shared.virtual_seconds < 0.5 * own.virtual_seconds
 
 
 @pytest.mark.slow  # ~11 s: two seeds of two methods to 0.9

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 JOB = "command"
 DEFAULT_GRACE = catalog.COMMAND_GRACE
+#: How long a member waits to hear a finished peer's failure statement (its watch lags).
+STATEMENT_GRACE = 2.0
 PARAMS = catalog.names(catalog.COMMAND)
 
 
@@ -248,7 +250,9 @@ class CommandJob:
         collective's socket closed), so every member whose program fails says in etcd when
         it ended; the one that ended first is named, then the others in order (hosts'
         clocks are assumed in step to well under the time a failure takes to spread).
-        Once every member's program failed, that is known at once. Otherwise a member
+        Once every member's program failed and said so, that is known at once (a member
+        seen gone after failing is waited for a moment: its statement may still be on its
+        way through our watch). Otherwise a member
         waits up to a TTL + 2 s for a lost member (killed: it says nothing) and names
         that, or else the failures seen (its own among them). A member gone after its
         program failed (its key's last state says so) is not a loss here: it failed
@@ -285,8 +289,12 @@ class CommandJob:
                 lost = sorted(set(gone) - alike - set(failed))
                 if lost:
                     return MemberLost(lost[0], "program", loss_reason(gone[lost[0]]))
+                if len(set(failed) | alike) == self.world_size and len(failed) < self.world_size:
+                    # Every member is done, but some failures are not heard yet: a member's
+                    # statement is put before its key leaves, so the watch brings it soon.
+                    deadline = min(deadline, time.monotonic() + STATEMENT_GRACE)
                 remaining = deadline - time.monotonic()
-                if len(set(failed) | alike) == self.world_size or remaining <= 0:
+                if len(failed) == self.world_size or remaining <= 0:
                     failed[rank] = (*mine, status)
                     order = sorted(failed, key=lambda r: failed[r][:2])
                     first, then = order[0], order[1:]

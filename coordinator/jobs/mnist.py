@@ -619,6 +619,7 @@ class Evaluator:
             self._failure = exc
 
     def _evaluate(self) -> dict[str, float]:
+        at = time.time()  # the accuracy is the weights' at this time, not when it is known
         share, version = self.server.snapshot()
         self.flat.params[self.flat.slices[0]].copy_(share)
         versions = [version]
@@ -631,7 +632,7 @@ class Evaluator:
         samples = len(self.server.log) * self.job.options.batch_size  # about: last batches
         record = {
             "n": len(self.history),
-            "t": round(time.time() - self.began, 3),
+            "t": round(at - self.began, 3),
             "version": sum(versions),
             "samples": samples,
             "accuracy": accuracy,

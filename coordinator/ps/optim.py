@@ -36,6 +36,7 @@ class FlatOptimizer:
         if spec.name not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be sgd or adam, not {spec.name!r}")
         self.name, self.lr, self.momentum = spec.name, spec.lr, spec.momentum
+        self.decay, self.decay_every = spec.decay, spec.decay_every
         self.steps = 0
         self.buffers: dict[str, torch.Tensor] = {}
         if self.name == "adam":
@@ -46,11 +47,18 @@ class FlatOptimizer:
 
     @torch.no_grad()
     def step(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """`out` = `weights` after one step with `grad`; `weights` is only read."""
+        """`out` = `weights` after one step with `grad`; `weights` is only read. Every
+        `decay_every` steps the learning rate is then multiplied by `decay` (the live
+        server and the simulator share this schedule)."""
         self.steps += 1
         if self.name == "adam":
             self._adam(weights, grad, out)
-            return
+        else:
+            self._sgd(weights, grad, out)
+        if self.decay_every and self.steps % self.decay_every == 0:
+            self.lr *= self.decay
+
+    def _sgd(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
         direction = grad
         if self.momentum:
             buffer = self.buffers["momentum"]

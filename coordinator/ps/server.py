@@ -141,7 +141,6 @@ class ParameterServer:
         self.size = sum(t.numel() for _, t in tensors)
         self.weights = _Published(torch.cat([t.detach().reshape(-1) for _, t in tensors]))
         self.optimizer = FlatOptimizer(optimizer, self.size)
-        self.decay, self.decay_every = optimizer.decay, optimizer.decay_every
         self.aggregate = aggregate
         self.version = 0
         self.trainers = {t: _Trainer() for t in range(trainers)}
@@ -333,9 +332,6 @@ class ParameterServer:
         self.weights.publish(updated)
         self.version += 1
         self.log.extend(rows)
-        every = self.decay_every
-        if every and self.version % every == 0:  # an epoch's worth of updates
-            self.optimizer.lr *= self.decay
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
             self._save_checkpoint()
         self.changed.notify_all()

@@ -197,12 +197,16 @@ def train(
     transfer: Transfer | None = None,
     timing: SampleTiming = SampleTiming.PER_CHECK,
     stop_accuracy: float | None = None,
+    own_shards: bool = False,
 ) -> TrainingRun:
     """Train `data.workers` virtual trainers under `spec`; see the module's docstring.
 
     Give `eval_seconds` (a virtual-time grid) or `eval_updates` (every K updates);
     `epochs` and/or `virtual_seconds` bound the run; `stop_accuracy` also ends it at the
     first evaluation that reaches it (a time-to-accuracy study needs nothing after that).
+    `epochs` counts passes over the whole training set, by whichever trainers make them;
+    with `own_shards`, each trainer makes `epochs` passes over its own shard and then idles
+    (it trains no more and holds nobody back), as the live job's trainers do.
     """
     spec.validate()
     workers = data.workers
@@ -222,13 +226,15 @@ def train(
         raise ValueError(f"eval_seconds must be > 0, got {eval_seconds}")
     if eval_updates is not None and eval_updates < 1:
         raise ValueError(f"eval_updates must be >= 1, got {eval_updates}")
+    if own_shards and epochs is None:
+        raise ValueError("own_shards counts epochs: give epochs")
     if aggregate and spec.method != Method.BSP:
         raise ValueError(f"aggregate is BSP-aggregate: the method must be bsp, not {spec}")
     with _one_thread():
         return _Run(
             spec, data, batch_size, epochs, virtual_seconds, delay or ShiftedExponential(),
             seed, optimizer, aggregate, eval_seconds, eval_updates, transfer or Transfer(), timing,
-            stop_accuracy,
+            stop_accuracy, own_shards,
         ).run()  # fmt: skip
 
 
@@ -249,6 +255,7 @@ class _Run:
         transfer: Transfer,
         timing: SampleTiming,
         stop_accuracy: float | None,
+        own_shards: bool,
     ) -> None:
         self.stop_accuracy = stop_accuracy
         self.reached = False
@@ -257,6 +264,12 @@ class _Run:
         self.eval_seconds, self.eval_updates = eval_seconds, eval_updates
         self.virtual_seconds = virtual_seconds
         self.target = None if epochs is None else math.ceil(epochs * data.train_count)
+        #: Each trainer's own number of steps (`own_shards`), as the live job counts them.
+        self.limits = (
+            [math.ceil(epochs * steps_per_epoch(len(y), batch_size)) for _, y in data.shards]
+            if own_shards and epochs is not None
+            else None
+        )
         n = data.workers
         # The trainers' model: gradients are computed here, on each trainer's pulled weights.
         self.work = FlatModel.build(initial_weights(seed, data.rows, data.cols), 1)
@@ -310,6 +323,8 @@ class _Run:
         self._evaluate_until(t, inclusive=False)
         if self.reached:  # an evaluation before this completion reached the target
             return
+        if self.limits is not None and self.steps[trainer] >= self.limits[trainer]:
+            return  # its shard's epochs are done: an idle step
         weights, version = self.pulled[trainer]
         step = self.steps[trainer]
         self.steps[trainer] = step + 1
@@ -325,21 +340,25 @@ class _Run:
             return
         slots = self.pending.setdefault(step, [None] * self.data.workers)
         slots[trainer] = (work.grads.clone(), version, len(batch))
-        if any(slot is None for slot in slots):
+        limits = self.limits
+        expected = [s for w, s in enumerate(slots) if limits is None or limits[w] > step]
+        if any(slot is None for slot in expected):
             return
         del self.pending[step]
         total = torch.zeros_like(work.grads)
         samples = 0
-        for grad, pulled_version, count in slots:  # type: ignore[misc]
+        for grad, pulled_version, count in expected:  # type: ignore[misc]
             total += grad
             samples += count
             self.staleness[self.version - pulled_version] += 1
-        total /= len(slots)
+        total /= len(expected)
         self._apply(total, samples, t)
 
     def _done(self) -> bool:
         if self.reached:
             return True
+        if self.limits is not None:
+            return all(s >= limit for s, limit in zip(self.steps, self.limits, strict=True))
         return self.target is not None and self.samples >= self.target
 
     # Server -----------------------------------------------------------------------------------

@@ -406,7 +406,9 @@ def _published_etcd(folder: Path, port: int) -> Path:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("variant", ["default", "client-certs"])
+@pytest.mark.parametrize(
+    "variant", [pytest.param("default", marks=pytest.mark.slow), "client-certs"]
+)  # the default suite's budget: client-certs covers the default's path and more
 def test_compose_product_with_tls_and_auth_runs_a_job_and_refuses_others_in_etcd(
     podman_service: PodmanService, images: Images, project: str, tmp_path: Path, variant: str
 ) -> None:
