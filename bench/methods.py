@@ -15,7 +15,7 @@ compute time after every gradient).
     python bench/methods.py --methods bsp,dssp --straggler on
     python bench/methods.py --replot                 # tables and plot again from runs.json
 
-Writes to `--out` (default docs/methods/): `methods.csv` and `methods.md` (per
+Writes to `--out` (default docs/methods/fashion/): `methods.csv` and `methods.md` (per
 method and straggler setting: seconds from the start of training to the first
 evaluation at or above each accuracy threshold, "never" when not reached;
 final accuracy; samples/s; mean and max staleness of the applied gradients),
@@ -70,7 +70,7 @@ from coordinator.launch import WorkerCommand
 
 console = Console(width=150)
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "docs" / "methods"
+OUT = REPO / "docs" / "methods" / "fashion"  # the one-seed full-scale comparison
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 #: name -> the barrier parameters of the `mnist` job

@@ -195,6 +195,7 @@ def test_jobs_share_three_agents_wait_for_room_and_never_over_fill_one(
     assert max(slots.most.values()) <= 2, slots.most
 
 
+@pytest.mark.slow  # ~14 s: the default suite is at its budget
 def test_an_agent_killed_mid_job_restarts_the_job_on_the_others(
     serve: Callable[..., ServiceProc],  # noqa: F811
     agents: Any,  # noqa: F811

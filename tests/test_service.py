@@ -509,6 +509,7 @@ def test_the_deadline_fails_a_job_and_metrics_count_it(
     assert service.http.get("/readyz").json() == {"status": "ready"}
 
 
+@pytest.mark.slow  # ~14 s: the default suite is at its budget
 def test_an_mnist_job_restarted_after_a_trainer_dies_resumes_from_its_checkpoint(
     serve: Callable[..., ServiceProc],
 ) -> None:
@@ -547,6 +548,13 @@ def test_the_embedded_etcd_outlives_a_killed_service_and_is_found_again(tmp_path
         assert json.loads((data / "etcd.json").read_text())["endpoint"] == endpoint
         record = wait_state(second, "kept", {"SUCCEEDED"}, timeout=60)
         assert len(record["attempts"]) == 1
+        # A clean stop with no job left running takes its etcd down (it started in the
+        # first service), and the record with it.
+        etcd_pid = json.loads((data / "etcd.json").read_text())["pid"]
+        second.stop()
+        assert second.process.returncode == 0
+        assert not (data / "etcd.json").exists()
+        wait_until(lambda: not psutil.pid_exists(etcd_pid), 10, "the service's etcd to end")
     finally:
         for service in services:
             service.stop()

@@ -223,3 +223,44 @@ def test_a_trace_with_wrong_columns_exits_2_naming_the_delay(tmp_path: Path) -> 
     )
     assert done.exit_code == 2, done.output
     assert "--delay" in done.output and "missing column" in done.output, done.output
+
+
+def small_mlp() -> torch.nn.Module:
+    """A user's own model: not the builtin MnistNet."""
+    nn = torch.nn
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_a_users_own_model_and_data_train_in_virtual_time() -> None:
+    """Any classifier and tensors: the same run twice gives the same weights, and it
+    learns the digits (an untrained model scores about 0.1)."""
+    digits = data(1, test_rows=300)
+    (x, y), (test_x, test_y) = digits.shards[0], digits.test
+    mine = TrainingData.from_tensors(x, y, test_x, test_y, workers=2)
+    assert [len(s[1]) for s in mine.shards] == [2000, 2000]
+    common = dict(batch_size=32, epochs=2, model=small_mlp, eval_updates=50, seed=4,
+                  optimizer=OptimizerSpec("sgd", 0.05, 0.5))  # fmt: skip
+    first = train(BarrierSpec(Method.ASP), mine, **common)
+    again = train(BarrierSpec(Method.ASP), mine, **common)
+    assert torch.equal(first.weights, again.weights)
+    assert first.weights.numel() == sum(p.numel() for p in small_mlp().parameters())
+    assert first.evaluations[0].accuracy < 0.3 < 0.85 < first.evaluations[-1].accuracy
+
+
+@pytest.mark.parametrize(
+    ("rows", "labels", "workers", "message"),
+    [(10, 9, 2, "as many rows"), (1, 1, 2, "cannot make 2 shards"), (10, 10, 0, "workers")],
+)
+def test_bad_user_data_is_refused_naming_the_cause(
+    rows: int, labels: int, workers: int, message: str
+) -> None:
+    x, test = torch.zeros(rows, 4), torch.zeros(3, 4)
+    y, test_y = torch.zeros(labels, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        TrainingData.from_tensors(x, y, test, test_y, workers)
+
+
+def test_float_labels_are_refused() -> None:
+    x = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="integer class labels"):
+        TrainingData.from_tensors(x, torch.zeros(4), x, torch.zeros(4), 2)

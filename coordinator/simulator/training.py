@@ -27,6 +27,11 @@ and does the training for real:
 - **Stop** once `epochs` x the training set's samples have been applied, or at
   `virtual_seconds`, whichever comes first.
 
+Any classifier can be trained so, not only `MnistNet`: `train(..., model=factory,
+loss=...)` with `TrainingData.from_tensors(...)` (the same `torch.nn.Module` a user's
+program serves through `coordinator.ps.api`). Accuracy is the argmax's against integer
+labels; the loss is the given one's, averaged over the test set.
+
 A run depends on nothing but its arguments: one torch thread inside, seeded
 generators, no wall clock. The same arguments give the same numbers, bit for bit.
 """
@@ -36,15 +41,17 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.nn import functional
 
 from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming
 from coordinator.datasets.mnist import MnistSource, load_test, load_train_shard
+from coordinator.datasets.shards import plan
 from coordinator.jobs.mnist import batch_rows, steps_per_epoch
 from coordinator.ps.model import FlatModel, MnistNet
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
@@ -110,6 +117,31 @@ class TrainingData:
             x, y = x[:test_rows], y[:test_rows]
         return cls(shards, (x, y), source.rows, source.cols)
 
+    @classmethod
+    def from_tensors(
+        cls,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        test_x: torch.Tensor,
+        test_y: torch.Tensor,
+        workers: int,
+    ) -> TrainingData:
+        """A user's data: `workers` shards of contiguous rows, cut as the live job cuts one
+        file (`shards.plan`); `y` and `test_y` are integer class labels."""
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if len(x) != len(y) or len(test_x) != len(test_y):
+            raise ValueError("x and y (and test_x and test_y) must have as many rows")
+        if len(x) < workers:
+            raise ValueError(f"{len(x)} training rows cannot make {workers} shards")
+        if y.dtype.is_floating_point or test_y.dtype.is_floating_point:
+            raise ValueError("y and test_y must be integer class labels")
+        shards = []
+        for pieces in plan([len(x)], workers):
+            rows = torch.cat([torch.arange(piece.start, piece.stop) for piece in pieces])
+            shards.append((x[rows], y[rows]))
+        return cls(shards, (test_x, test_y), 0, 0)
+
     @property
     def workers(self) -> int:
         return len(self.shards)
@@ -157,11 +189,14 @@ def label(spec: BarrierSpec, aggregate: bool = False, timing: SampleTiming | Non
     return str(spec)
 
 
-def initial_weights(seed: int, rows: int = 28, cols: int = 28) -> MnistNet:
-    """The model every method starts from for `seed` (torch's global RNG left untouched)."""
+def initial_weights(
+    seed: int, rows: int = 28, cols: int = 28, model: Callable[[], nn.Module] | None = None
+) -> nn.Module:
+    """The model every method starts from for `seed`: `model()`, or `MnistNet` (torch's
+    global RNG left untouched)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return MnistNet(rows, cols, CLASSES)
+        return model() if model is not None else MnistNet(rows, cols, CLASSES)
 
 
 @contextmanager
@@ -198,6 +233,8 @@ def train(
     timing: SampleTiming = SampleTiming.PER_CHECK,
     stop_accuracy: float | None = None,
     own_shards: bool = False,
+    model: Callable[[], nn.Module] | None = None,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = functional.cross_entropy,
 ) -> TrainingRun:
     """Train `data.workers` virtual trainers under `spec`; see the module's docstring.
 
@@ -207,6 +244,8 @@ def train(
     `epochs` counts passes over the whole training set, by whichever trainers make them;
     with `own_shards`, each trainer makes `epochs` passes over its own shard and then idles
     (it trains no more and holds nobody back), as the live job's trainers do.
+    `model` builds the network (default `MnistNet`; it is called with torch seeded by
+    `seed`), `loss` scores a batch (the mean over its rows).
     """
     spec.validate()
     workers = data.workers
@@ -234,7 +273,7 @@ def train(
         return _Run(
             spec, data, batch_size, epochs, virtual_seconds, delay or ShiftedExponential(),
             seed, optimizer, aggregate, eval_seconds, eval_updates, transfer or Transfer(), timing,
-            stop_accuracy, own_shards,
+            stop_accuracy, own_shards, model, loss,
         ).run()  # fmt: skip
 
 
@@ -256,6 +295,8 @@ class _Run:
         timing: SampleTiming,
         stop_accuracy: float | None,
         own_shards: bool,
+        model: Callable[[], nn.Module] | None,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
         self.stop_accuracy = stop_accuracy
         self.reached = False
@@ -272,8 +313,9 @@ class _Run:
         )
         n = data.workers
         # The trainers' model: gradients are computed here, on each trainer's pulled weights.
-        self.work = FlatModel.build(initial_weights(seed, data.rows, data.cols), 1)
-        self.eval = FlatModel.build(MnistNet(data.rows, data.cols, CLASSES), 1)
+        self.loss = loss
+        self.work = FlatModel.build(initial_weights(seed, data.rows, data.cols, model), 1)
+        self.eval = FlatModel.build(initial_weights(seed, data.rows, data.cols, model), 1)
         size = self.work.params.numel()
         self.server = self.work.params.clone()  # published: never written again
         self.version = 0
@@ -333,7 +375,7 @@ class _Run:
         work = self.work
         work.params.copy_(weights)
         work.grads.zero_()
-        functional.cross_entropy(work.model(x[batch]), y[batch]).backward()
+        self.loss(work.model(x[batch]), y[batch]).backward()
         if not self.aggregate:
             self.staleness[self.version - version] += 1
             self._apply(work.grads, len(batch), t)
@@ -389,7 +431,7 @@ class _Run:
         for low in range(0, len(y), _EVAL_CHUNK):
             logits = self.eval.model(x[low : low + _EVAL_CHUNK])
             target = y[low : low + _EVAL_CHUNK]
-            loss += functional.cross_entropy(logits, target, reduction="sum").item()
+            loss += self.loss(logits, target).item() * len(target)
             correct += int((logits.argmax(1) == target).sum())
         n = len(y)
         self.evaluations.append(Evaluation(t, self.updates, self.samples, correct / n, loss / n))
