@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from methods import COLORS, LABELS, METHODS, Run, run_one  # bench/methods.py
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import parse
 from coordinator.simulator.delays import Trace
-from coordinator.simulator.train_report import t975
+from coordinator.simulator.train_report import mean_interval
 from coordinator.simulator.training import TrainingData, TrainingRun, Transfer, train
 
 console = Console(width=160)
@@ -102,24 +101,12 @@ def outside(value: float, interval: tuple[float, float]) -> float:
     return (min(value - low, 0.0) + max(value - high, 0.0)) / high
 
 
-def mean_interval(values: list[float]) -> tuple[float, float, float] | None:
-    """The mean and its 95 % Student-t interval (the mean itself for one value)."""
-    if not values:
-        return None
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, mean, mean
-    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
 def shown(values: list[float], seeds: int) -> str:
     """`mean [low, high] (reached/seeds)`, or `never (0/seeds)`."""
-    value = mean_interval(values)
-    if value is None:
+    if not values:
         return f"never (0/{seeds})"
-    mean, low, high = value
-    band = f" [{low:.2f}, {high:.2f}]" if len(values) > 1 else ""
+    mean, half = mean_interval(values)
+    band = "" if half is None else f" [{mean - half:.2f}, {mean + half:.2f}]"
     return f"{mean:.2f}{band} ({len(values)}/{seeds})"
 
 
@@ -268,13 +255,11 @@ def plot(records: list[dict[str, Any]], target: str, out: Path) -> None:
                 ([t["live"][1] for t in mine if t["live"] is not None], ""),
                 ([t["predicted"] for t in mine if t["predicted"] is not None], "//"),
             )):  # fmt: skip
-                value = mean_interval(values)
-                if value is None:
+                if not values:
                     continue
-                mean, low, high = value
+                mean, half = mean_interval(values)
                 bottom.bar(index + 0.4 * offset, mean, width=0.38, color=COLORS[method],
-                           hatch=hatch, edgecolor="black", yerr=[[mean - low], [high - mean]],
-                           capsize=3)  # fmt: skip
+                           hatch=hatch, edgecolor="black", yerr=half or 0.0, capsize=3)  # fmt: skip
         bottom.set_xticks([i + 0.2 for i in range(len(methods))],
                           [LABELS[m] for m in methods], rotation=20, fontsize=8)  # fmt: skip
         bottom.set(title=f"{setting}: seconds to {target}, live (plain) and predicted (hatched)",

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import statistics
 import sys
@@ -290,12 +289,8 @@ def part_steps(args, out: Path, record: dict) -> None:
                 rates.append(sum(result.final_step) / result.seconds)
                 gaps.append(result.largest_gap)
                 waits.append(result.mean_wait / result.seconds)
-            mean = statistics.fmean(rates)
-            half = (
-                train_report.t975(len(rates) - 1) * statistics.stdev(rates) / math.sqrt(len(rates))
-                if len(rates) > 1
-                else 0.0
-            )
+            mean, half = train_report.mean_interval(rates)
+            half = half or 0.0
             rows.append(
                 [str(spec), delay_text, f"{mean:.2f}", f"[{mean - half:.2f}, {mean + half:.2f}]",
                  f"{statistics.fmean(gaps):.1f}", f"{100 * statistics.fmean(waits):.1f}"]

@@ -252,11 +252,10 @@ class CommandJob:
         clocks are assumed in step to well under the time a failure takes to spread).
         Once every member's program failed and said so, that is known at once (a member
         seen gone after failing is waited for a moment: its statement may still be on its
-        way through our watch). Otherwise a member
-        waits up to a TTL + 2 s for a lost member (killed: it says nothing) and names
-        that, or else the failures seen (its own among them). A member gone after its
-        program failed (its key's last state says so) is not a loss here: it failed
-        like us."""
+        way through our watch). Otherwise a member waits up to a TTL + 2 s for a lost
+        member (killed: it says nothing) and names that, or else the failures seen (its
+        own among them). A member gone after its program failed (its key's last state
+        says so) is not a loss here: it failed like us."""
         rank = member.rank or 0
         prefix = f"{member.keys.job}command/{member.round}/failed/"
         ended = self._ended_at

@@ -39,6 +39,15 @@ def t975(df: int) -> float:
     return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
 
 
+def mean_interval(values: Sequence[float]) -> tuple[float, float | None]:
+    """The mean of `values` and the half width of its 95 % Student-t interval (None for a
+    single value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
 @dataclass(frozen=True)
 class TimeToAccuracy:
     method: str
@@ -63,10 +72,9 @@ def time_to_accuracy(runs: Sequence[TrainingRun], targets: Sequence[float]) -> l
             times = [t for t in (run.time_to(target) for run in mine) if t is not None]
             mean = low = high = None
             if times:
-                mean = statistics.fmean(times)
-            if len(times) >= 2:
-                half = t975(len(times) - 1) * statistics.stdev(times) / math.sqrt(len(times))
-                low, high = mean - half, mean + half  # type: ignore[operator]
+                mean, half = mean_interval(times)
+                if half is not None:
+                    low, high = mean - half, mean + half
             rows.append(TimeToAccuracy(method, target, mean, low, high, len(times), len(mine)))
     return rows
 

@@ -311,6 +311,7 @@ class _Run:
             if own_shards and epochs is not None
             else None
         )
+        self.unfinished = len(self.limits or ())  # trainers short of their limit
         n = data.workers
         # The trainers' model: gradients are computed here, on each trainer's pulled weights.
         self.loss = loss
@@ -370,6 +371,8 @@ class _Run:
         weights, version = self.pulled[trainer]
         step = self.steps[trainer]
         self.steps[trainer] = step + 1
+        if self.limits is not None and step + 1 == self.limits[trainer]:
+            self.unfinished -= 1
         x, y = self.data.shards[trainer]
         batch = batch_rows(self.seed, trainer, len(y), self.batch_size, step)
         work = self.work
@@ -400,7 +403,7 @@ class _Run:
         if self.reached:
             return True
         if self.limits is not None:
-            return all(s >= limit for s, limit in zip(self.steps, self.limits, strict=True))
+            return self.unfinished == 0
         return self.target is not None and self.samples >= self.target
 
     # Server -----------------------------------------------------------------------------------
