@@ -12,6 +12,7 @@ it prints one line per step, then checks an all_reduce of a known tensor.
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,11 @@ def main() -> None:
     ok = total.item() == expected
     print(json.dumps({"rank": rank, "losses": losses, "all_reduce": total.item(), "ok": ok}))
     dist.destroy_process_group()
-    raise SystemExit(0 if ok else 1)
+    # Leave without the interpreter's shutdown: a gloo thread may still drop its last
+    # finished work then, and on a busy host that aborts the process ("terminate called
+    # without an active exception", torch's race, under torchrun too).
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

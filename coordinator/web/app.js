@@ -247,10 +247,14 @@ function jobsPage(signal) {
     </section>`;
   const filters = ["filter-state", "filter-kind", "filter-label"].map((id) => document.getElementById(id));
   let timer = null;
+  let latest = null; // a newer load aborts the older, so a slow old answer never overwrites a newer one
   const refresh = async () => {
     clearTimeout(timer);
-    await quietly(loadJobs(filters, signal));
-    if (!signal.aborted) timer = setTimeout(refresh, JOBS_REFRESH_MS);
+    latest?.abort();
+    const load = (latest = new AbortController());
+    const both = AbortSignal.any([signal, load.signal]);
+    await quietly(loadJobs(filters, both));
+    if (!both.aborted) timer = setTimeout(refresh, JOBS_REFRESH_MS);
   };
   for (const filter of filters) filter.addEventListener("change", refresh);
   signal.addEventListener("abort", () => clearTimeout(timer));
@@ -269,13 +273,15 @@ async function loadJobs([state, kind, labelFilter], signal) {
     if (token) query.set("page_token", token);
     const response = await api(`/v1/jobs?${query}`, { signal });
     if (response.status === 422) {
-      error.textContent = (await response.json()).detail[0].msg;
+      const message = (await response.json()).detail[0].msg;
+      if (!signal.aborted) error.textContent = message;
       return;
     }
     const body = await response.json();
     jobs.push(...body.jobs);
     token = body.next_page_token;
   } while (token);
+  if (signal.aborted) return;
   error.textContent = "";
   const now = Date.now() / 1000;
   jobs.sort((a, b) => b.submitted_at - a.submitted_at);
@@ -350,6 +356,7 @@ class JobView {
     this.seen = new Set(); // events already listed
     this.dirty = false;
     this.logTimer = null;
+    this.logLoad = null;
   }
 
   start() {
@@ -653,6 +660,9 @@ class JobView {
 
   async loadLogs() {
     clearTimeout(this.logTimer);
+    this.logLoad?.abort(); // the rank may change while a load is out: only the newest shows
+    const load = (this.logLoad = new AbortController());
+    const signal = AbortSignal.any([this.signal, load.signal]);
     const rank = document.getElementById("log-rank").value;
     const member = rank === "" ? null : Number(rank);
     const attempt = this.record?.attempts[this.record.attempts.length - 1];
@@ -660,15 +670,16 @@ class JobView {
     const chosen = member == null ? null : attempt?.members.find((m) => m.index === member);
     if (chosen && chosen.rank != null) query.set("rank", String(chosen.rank));
     await quietly((async () => {
-      const response = await api(`/v1/jobs/${encodeURIComponent(this.jobId)}/logs?${query}`, { signal: this.signal });
+      const response = await api(`/v1/jobs/${encodeURIComponent(this.jobId)}/logs?${query}`, { signal });
       if (!response.ok) return;
       const text = await response.text();
+      if (signal.aborted) return;
       const pre = document.getElementById("logs");
       const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 20;
       pre.textContent = text || "(no output yet)";
       if (atBottom) pre.scrollTop = pre.scrollHeight;
     })());
-    if (!this.signal.aborted && this.record && !FINAL.has(this.record.state)) {
+    if (!signal.aborted && this.record && !FINAL.has(this.record.state)) {
       this.logTimer = setTimeout(() => this.loadLogs(), 2000);
     }
   }
