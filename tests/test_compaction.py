@@ -9,7 +9,6 @@ compacted history would change what other tests replay.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,65 +21,9 @@ from coordinator.etcd.client import Etcd, WatchEvent
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.rendezvous.member import Member
 from tests.conftest import wait_until
+from tests.etcd_cluster import CuttableProxy
 
 pytestmark = pytest.mark.one_etcd  # its own etcd (see above)
-
-
-class CuttableProxy:
-    """A TCP proxy on loopback whose connections can all be cut, and refused, at will."""
-
-    def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.open = threading.Event()
-        self.open.set()
-        self.sockets: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if not self.open.is_set():
-                client.close()  # refused while cut
-                continue
-            upstream = socket.create_connection(self.target)
-            with self.lock:
-                self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                end.close()
-
-    def cut(self) -> None:
-        self.open.clear()
-        with self.lock:
-            for sock in self.sockets:
-                sock.close()
-            self.sockets.clear()
-
-    def restore(self) -> None:
-        self.open.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self.cut()
-        self.listener.close()
 
 
 @pytest.fixture(scope="module")
