@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,7 +35,7 @@ from coordinator.barriers.live import LiveBarrier, OnLoss, Passage
 from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.names import check_name
-from coordinator.events import Report, write_line
+from coordinator.events import REPORTS_FD_ENV, Report, write_line
 from coordinator.rendezvous.attached import AttachedMember
 from coordinator.rendezvous.roster import RosterFile
 
@@ -113,7 +114,7 @@ class Context:
         self._attempt: int | None = None
         self._steps_made = 0
         self._lock = threading.Lock()
-        self._reporter = _Reporter()
+        self._reporter = _Reporter(_reports_fd(env))
 
     # -- etcd, when needed --------------------------------------------------
 
@@ -417,10 +418,31 @@ class Steps:
         self.close()
 
 
-class _Reporter:
-    """Coalesces reports: one line at once, then at most one per REPORT_SECONDS."""
+def _reports_fd(env: Mapping[str, str]) -> int | None:
+    """The pipe the member reads reports from (COORDINATOR_REPORTS_FD), if it is one."""
+    value = env.get(REPORTS_FD_ENV, "")
+    if not value.isdigit() or len(value) > 6:
+        return None
+    fd = int(value)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        os.set_inheritable(fd, False)  # the program's own children have no business there
+    except OSError:
+        return None
+    return fd
 
-    def __init__(self) -> None:
+
+class _Reporter:
+    """Coalesces reports: one line at once, then at most one per REPORT_SECONDS.
+
+    Lines go to the member's reports pipe: the timer thread that writes a held-back
+    report must not write into stdout, where it could land inside a line the program
+    is printing (print writes the text and its newline apart). Without the pipe (an
+    older member), stdout it is."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self._fd = fd
         self._lock = threading.Lock()
         self._pending: Report | None = None
         self._last = 0.0
@@ -432,7 +454,7 @@ class _Reporter:
             now = time.monotonic()
             if now - self._last >= REPORT_SECONDS and self._timer is None:
                 self._last = now
-                write_line(event.to_line())
+                self._write(event)
                 return
             self._pending = event
             if self._timer is None:
@@ -447,9 +469,20 @@ class _Reporter:
                 self._timer.cancel()
                 self._timer = None
             if self._pending is not None:
-                write_line(self._pending.to_line())
+                self._write(self._pending)
                 self._pending = None
                 self._last = time.monotonic()
+
+    def _write(self, event: Report) -> None:
+        if self._fd is not None:
+            data = (event.to_line() + "\n").encode()
+            try:
+                while data:  # (a line under PIPE_BUF, 4 KiB, goes in one atomic write)
+                    data = data[os.write(self._fd, data) :]
+                return
+            except OSError:  # the program closed it: stdout from now on
+                self._fd = None
+        write_line(event.to_line())
 
 
 _context: Context | None = None

@@ -183,6 +183,9 @@ MemberEvent = Annotated[
 ]
 #: The events a `command` job's program may print of itself (see the module docstring).
 PROGRAM_EVENTS = frozenset({"report"})
+#: The pipe (a file descriptor number) a `command` member gives its program for these
+#: events, apart from its stdout; `coordinator.context()` writes its reports there.
+REPORTS_FD_ENV = "COORDINATOR_REPORTS_FD"
 #: The events that only a launcher makes: a member's line claiming one is not read.
 LAUNCHER_EVENTS = frozenset({"exit"})
 

@@ -272,6 +272,37 @@ def test_reports_of_any_metric_name_make_the_learning_curve() -> None:
     ]
 
 
+CHATTY = """
+import json, time
+import coordinator
+ctx = coordinator.context()
+step, end = 0, time.monotonic() + 2
+while time.monotonic() < end:  # the reporter's timer goes off a few times meanwhile
+    step += 1
+    ctx.report(step=step, loss=1.0 / step)
+    print(json.dumps({"line": step, "pad": "x" * 200}))
+"""
+
+
+def test_reports_never_land_inside_the_programs_own_lines(
+    etcd_server: EmbeddedEtcd,
+    etcd: Etcd,
+    launch: Callable[..., Run],  # noqa: F811
+) -> None:
+    """The reporter's timer thread writes while the program prints: every line the
+    program printed arrives whole, and the reports are still read as reports."""
+    run = launch(
+        ["run", "--workers", "1", "--etcd", etcd_server.endpoint, "--namespace", etcd.namespace,
+         "--job", "chatty", "--", sys.executable, "-c", CHATTY]
+    )  # fmt: skip
+    assert run.wait(120) == 0, run.stderr[-10:]
+    lines = [line.split("] ", 1)[-1] for line in run.stdout]
+    printed = [json.loads(line)["line"] for line in lines if line.startswith('{"line"')]
+    reports = [json.loads(line) for line in lines if line.startswith('{"event": "report"')]
+    assert len(reports) > 3 and reports[-1]["step"] == len(printed)
+    assert printed == list(range(1, len(printed) + 1))
+
+
 REPORTER = """
 import coordinator
 ctx = coordinator.context()

@@ -591,7 +591,13 @@ class Etcd:
                 # A connection of its own: gRPC would otherwise share one between
                 # all clients of a process, and members in threads would queue on it.
                 target = self.endpoints[self._index]
-                options = [("grpc.use_local_subchannel_pool", 1)]
+                options = [
+                    ("grpc.use_local_subchannel_pool", 1),
+                    # gRPC waits up to 120 s between reconnects by default: after an outage
+                    # of a minute a client would stay away long after etcd came back.
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                ]
                 if self._credentials is not None:
                     self._channel = grpc.secure_channel(target, self._credentials, options=options)
                 else:

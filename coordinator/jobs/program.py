@@ -16,8 +16,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
-from coordinator.jobs.relay import Relay
+from coordinator.events import REPORTS_FD_ENV
+from coordinator.jobs.relay import Relay, Stream
 
 REAPER = Path(__file__).with_name("reaper.py")
 _POLL = 0.02  # seconds between checks that a stopped group is empty
@@ -34,18 +36,32 @@ class ProgramGroup:
         cwd: Path | None = None,
         rank: int | None = None,
     ) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *program],
-            env=dict(env),
-            cwd=cwd,
-            stdout=subprocess.PIPE,  # passed on by the member (relay.py): never its own events
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own group: signals reach the whole program
-        )
+        # The reports of `coordinator.context()` come on a pipe of their own: written from
+        # a timer thread into stdout, one could land inside a line the program was printing.
+        reports, reports_end = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *program],
+                env={**env, REPORTS_FD_ENV: str(reports_end)},
+                cwd=cwd,
+                stdout=subprocess.PIPE,  # passed on by the member (relay.py): never its events
+                stderr=subprocess.PIPE,
+                pass_fds=(reports_end,),
+                start_new_session=True,  # its own group: signals reach the whole program
+            )
+        except BaseException:
+            os.close(reports)
+            raise
+        finally:
+            os.close(reports_end)
         self.pgid = self.process.pid
         assert self.process.stdout is not None and self.process.stderr is not None
-        pipes = {"stdout": self.process.stdout, "stderr": self.process.stderr}
-        self.relay = Relay(pipes, rank, sys.stdout, sys.stderr)  # type: ignore[arg-type]
+        pipes: list[tuple[IO[bytes], Stream]] = [
+            (self.process.stdout, "stdout"),
+            (self.process.stderr, "stderr"),
+            (os.fdopen(reports, "rb"), "stdout"),  # judged as stdout lines are
+        ]
+        self.relay = Relay(pipes, rank, sys.stdout, sys.stderr)
 
     def poll(self) -> int | None:
         return self.process.poll()

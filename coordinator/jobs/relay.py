@@ -52,12 +52,15 @@ def relayed(line: bytes, stream: Stream, rank: int | None) -> tuple[bytes, Strea
 class Relay:
     """Threads passing the program's `stdout` and `stderr` pipes on (see the module)."""
 
-    def __init__(self, pipes: dict[Stream, IO[bytes]], rank: int | None, out: Any, err: Any):
+    def __init__(
+        self, pipes: list[tuple[IO[bytes], Stream]], rank: int | None, out: Any, err: Any
+    ) -> None:
+        """`pipes`: each pipe with the stream its lines count as."""
         self.rank = rank
         self._targets: dict[Stream, Any] = {"stdout": out, "stderr": err}
         self._threads = [
             threading.Thread(target=self._pass_on, args=(pipe, stream), daemon=True)
-            for stream, pipe in pipes.items()
+            for pipe, stream in pipes
         ]
         for thread in self._threads:
             thread.start()
