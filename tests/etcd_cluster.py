@@ -9,6 +9,7 @@ off: the subject here is faults, not the boundary (tests/test_etcd_auth.py).
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -203,6 +204,21 @@ class EtcdCluster:
                     pass
             time.sleep(0.05)  # an election is under way; no event to wait on
         raise EtcdServerError(f"no etcd leader within {timeout}s")
+
+    def leases(self) -> list[int]:
+        """Every lease the cluster holds (etcd's JSON gateway: our client's protos lack
+        LeaseLeases), asked of the first running member that answers."""
+        for index in self.running():
+            request = urllib.request.Request(
+                f"http://{self.client_endpoint(index)}/v3/lease/leases", data=b"{}", method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=2.0) as response:
+                    body = json.loads(response.read())
+            except OSError:
+                continue
+            return [int(lease["ID"]) for lease in body.get("leases", [])]
+        raise EtcdServerError("no etcd member answered the lease listing")
 
     def running(self) -> list[int]:
         return [i for i, p in enumerate(self.processes) if p is not None and p.poll() is None]

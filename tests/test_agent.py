@@ -16,6 +16,7 @@ import pytest
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from tests.conftest import wait_until
+from tests.etcd_cluster import CuttableProxy
 
 pytestmark = pytest.mark.one_etcd
 
@@ -131,3 +132,44 @@ def test_sigterm_drains_a_running_member_and_deregisters_first(
     wait_until(lambda: registered(etcd, "host-c") is None, 10, "the agent to deregister")
     assert agent.process.wait(30) == 0  # the member got SIGTERM after 1 s, and left
     assert etcd.get(member) is None  # its report went with the agent's lease
+
+
+def test_an_agent_cut_off_past_its_lease_stops_its_members_and_registers_again(
+    etcd: Etcd, etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """Its lease, assignments and reports are gone (the service counts its members lost),
+    so it stops them, then registers anew once etcd answers, and takes new work."""
+    proxy = CuttableProxy(etcd_server.endpoint)
+    agent = AgentProc(proxy.endpoint, etcd.namespace, tmp_path / "cut", "--id", "host-d")
+    try:
+        first = wait_until(lambda: etcd.get(etcd.key("agents", "host-d")), 30, "registration")
+        worker = ["--job", "longrun", "--world-size", "1", "--etcd", etcd_server.endpoint,
+                  "--namespace", etcd.namespace, "--param", "seconds=120"]  # fmt: skip
+        assign(etcd, "host-d", "longrun-0123-a1-m0", worker)
+        report = etcd.key("reports", "host-d", "longrun-0123-a1-m0")
+        pid = wait_until(lambda: (kv := etcd.get(report)) and json.loads(kv.value)["pid"], 30,
+                         "the member to run")  # fmt: skip
+        proxy.cut()
+        wait_until(lambda: etcd.get(etcd.key("agents", "host-d")) is None, 10, "the lease to end")
+        proxy.restore()
+        again = wait_until(
+            lambda: (
+                (kv := etcd.get(etcd.key("agents", "host-d"))) and kv.lease != first.lease and kv
+            ),
+            30,
+            "the agent to register again",
+        )
+        assert json.loads(again.value)["pid"] == agent.process.pid
+        wait_until(lambda: not Path(f"/proc/{pid}").exists(), 15, "its old member to be stopped")
+        worker = ["--job", "after", "--world-size", "1", "--etcd", etcd_server.endpoint,
+                  "--namespace", etcd.namespace]  # fmt: skip
+        assign(etcd, "host-d", "after-0123-a1-m0", worker)
+        after = etcd.key("reports", "host-d", "after-0123-a1-m0")
+        state = wait_until(
+            lambda: (kv := etcd.get(after)) and json.loads(kv.value)["state"] == "exited"
+            and json.loads(kv.value), 60, "the new member to run and end",
+        )  # fmt: skip
+        assert state["exit_code"] == 0 and agent.process.poll() is None
+    finally:
+        agent.stop()
+        proxy.close()

@@ -70,6 +70,10 @@ class AgentTaken(RuntimeError):
     """Another live agent holds this id."""
 
 
+class _Stopped(Exception):
+    """Asked to stop while waiting to register again."""
+
+
 @dataclass
 class AgentOptions:
     agent_id: str
@@ -121,8 +125,7 @@ class Agent:
         self._http = ThreadingHTTPServer((bind, options.port), self._handler())
         port = self._http.server_address[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.session = Session(etcd, options.ttl)
-        record = {
+        self._record: dict[str, Any] = {
             "slots": options.slots,
             "labels": options.labels,
             "address": self.address,
@@ -132,25 +135,81 @@ class Agent:
             "host": socket.gethostname(),
         }
         if options.gpus:
-            record["gpus"] = list(options.gpus)
-        created, current, _ = etcd.create(
-            agent_key(etcd, options.agent_id), json.dumps(record), self.session.lease_id
-        )
+            self._record["gpus"] = list(options.gpus)
+        try:
+            self._register()
+        except BaseException:
+            self._http.server_close()
+            raise
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="agent-http").start()
+
+    def _register(self) -> None:
+        """A new lease, the registration under it, and the watch of its assignments."""
+        self.session = Session(self.etcd, self.options.ttl)
+        key = agent_key(self.etcd, self.options.agent_id)
+        created, current, _ = self.etcd.create(key, json.dumps(self._record), self.session.lease_id)
+        if not created and _holder(current.value).get("token") == self.token:
+            # Our own registration, under the lease we gave up on but etcd still keeps.
+            self.etcd.delete_if(key, current.mod_revision)
+            created, current, _ = self.etcd.create(
+                key, json.dumps(self._record), self.session.lease_id
+            )
         if not created:
             self.session.close()
-            self._http.server_close()
-            holder = json.loads(current.value)
+            holder = _holder(current.value)
             raise AgentTaken(
-                f"agent id {options.agent_id!r} is registered by another live agent "
+                f"agent id {self.options.agent_id!r} is registered by another live agent "
                 f"(host {holder.get('host')}, pid {holder.get('pid')}); choose another --id"
             )
-        threading.Thread(target=self._http.serve_forever, daemon=True, name="agent-http").start()
         # Assignments are bound to this agent's lease, new with this registration: there
         # are none before it.
-        self._watch = etcd.watch(
+        self._watch = self.etcd.watch(
             self.assignments, self._on_assignments, start_revision=current.create_revision,
             prefix=True,
         )  # fmt: skip
+
+    def _rejoin(self, stop: threading.Event) -> None:
+        """After the lease was lost (etcd out of reach for a TTL): its assignments went
+        with it and the service counts its members lost, so they are stopped; then the
+        agent registers anew, as soon as etcd answers, and takes new work."""
+        print(
+            f"agent {self.options.agent_id}: lost its lease ({self.session.lost_reason}); "
+            "stopping its members and registering again",
+            flush=True,
+        )
+        self._watch.cancel()
+        self.session.close(revoke=False)
+        self._stop_members(grace=5.0)
+        with self._lock:
+            self.members.clear()
+        while not self._inbox.empty():  # assignments of the old lease: gone with it
+            self._inbox.get_nowait()
+        delay = 0.5
+        while not stop.is_set():
+            try:
+                self._register()
+                print(f"agent {self.options.agent_id}: registered again", flush=True)
+                return
+            except EtcdError as exc:
+                log.warning("agent %s: cannot register yet: %s", self.options.agent_id, exc)
+                stop.wait(delay)  # etcd is still out of reach: try again, backing off
+                delay = min(delay * 2, 5.0)
+        raise _Stopped
+
+    def _stop_members(self, grace: float) -> None:
+        """SIGTERM to every running member, SIGKILL to those left after `grace` seconds."""
+        for name in self.running():
+            self.launcher.terminate(self.members[name].member)
+        deadline = time.monotonic() + grace
+        while self._still_running() and time.monotonic() < deadline:
+            time.sleep(REPORT_SECONDS)  # polling the members' exits, as check_members does
+        for member in self._still_running():
+            self.launcher.kill(member)
+
+    def _still_running(self) -> list[Member]:
+        with self._lock:
+            members = [r.member for r in self.members.values() if r.member.exit_code is None]
+        return [m for m in members if self.launcher.exit_code(m) is None]
 
     # -- assignments --------------------------------------------------------------
 
@@ -269,8 +328,17 @@ class Agent:
     def run(self, stop: threading.Event) -> None:
         """Until `stop` (SIGTERM): start what is assigned, report members as they end;
         then drain."""
-        while not stop.is_set() and not self.session.lost.is_set():
-            self._work(REPORT_SECONDS)
+        while not stop.is_set():
+            if self.session.lost.is_set():
+                try:
+                    self._rejoin(stop)
+                except _Stopped:
+                    break
+                continue
+            try:
+                self._work(REPORT_SECONDS)
+            except EtcdError as exc:  # etcd out of reach past the retries, or our lease gone
+                log.warning("agent %s: %s", self.options.agent_id, exc)
         self.drain()
 
     def _work(self, seconds: float) -> None:
@@ -289,6 +357,10 @@ class Agent:
 
     def drain(self) -> None:
         self._draining = True
+        if self.session.lost.is_set():  # nothing of ours is left in etcd to report to
+            self._stop_members(grace=self.options.drain_seconds)
+            self.close()
+            return
         self.etcd.delete(agent_key(self.etcd, self.options.agent_id))
         deadline = time.monotonic() + self.options.drain_seconds
         terminated = False
@@ -352,6 +424,15 @@ class Agent:
                 pass  # members' output is the log that matters
 
         return Output
+
+
+def _holder(value: bytes) -> dict[str, Any]:
+    """The registration record another agent wrote (anything not a JSON object: empty)."""
+    try:
+        record = json.loads(value)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _first_line(exc: Exception) -> str:
