@@ -298,6 +298,7 @@ def test_a_leader_cut_off_mid_launch_kills_its_unrecorded_member_before_a_succes
         kill_members(tmp_path / "b")
 
 
+@pytest.mark.slow  # about 18 s: the lease TTL, two services' start, a restart
 def test_a_cut_off_service_leader_yields_and_the_other_replica_runs_every_job_once(
     cluster: EtcdCluster,
     inspect: Etcd,
@@ -375,6 +376,7 @@ def test_a_submit_burst_through_an_etcd_leader_kill_loses_no_job(
             assert "etcd" in response.json()["detail"]
             refused.append(spec["id"])
     assert len(accepted) == 30
+    print(f"30 submits accepted, {len(refused)} answers 503 retried")
     for job_id in accepted:
         record = wait_state(service, job_id, FINAL, timeout=90)
         assert record["state"] == "SUCCEEDED", record
@@ -408,7 +410,7 @@ def test_quorum_lost_then_restored_answers_503_meanwhile_and_every_job_ends_cons
     for index in lost:
         cluster.kill(index)
     lost_at = time.monotonic()
-    answers = 0
+    answers: list[float] = []
     while time.monotonic() - lost_at < 20:
         began = time.monotonic()
         spec = {"id": "during", "kind": "noop", "workers": 1}
@@ -418,8 +420,9 @@ def test_quorum_lost_then_restored_answers_503_meanwhile_and_every_job_ends_cons
         assert time.monotonic() - began < 20
         ready = service.http.get("/readyz")
         assert ready.status_code == 503
-        answers += 1
-    assert answers >= 1
+        answers.append(time.monotonic() - began)
+    assert answers
+    print("quorum lost: submits and readiness answered 503 in", [f"{a:.1f}s" for a in answers])
     for index in lost:
         cluster.restart(index, wait=False)
     for index in lost:
@@ -428,6 +431,7 @@ def test_quorum_lost_then_restored_answers_503_meanwhile_and_every_job_ends_cons
     for job_id in ids:
         wait_state(service, job_id, FINAL, timeout=120)
         record = assert_agrees_with_events(service, job_id)
+        print(job_id, record["state"], len(record["attempts"]), record["conditions"][-1]["reason"])
         if record["state"] != "SUCCEEDED":  # then its reason names what it lost
             assert record["conditions"][-1]["reason"], record
     # a job never accepted is nowhere; one accepted late (a lost answer) ends too
