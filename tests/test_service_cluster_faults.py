@@ -154,6 +154,39 @@ def assert_agrees_with_events(service: ServiceProc, job_id: str) -> dict[str, An
 # -- 1. the service leader cut off ----------------------------------------------------
 
 
+def test_a_cut_off_leader_stops_leading_before_another_replica_can_lead(
+    cluster: EtcdCluster, inspect: Etcd, namespace: str
+) -> None:
+    link = cluster.link()
+    cut_client = Etcd(link.endpoints, namespace=namespace, security=EtcdSecurity())
+    cut, other = Leadership(cut_client, "cut", ttl=3), Leadership(inspect, "other", ttl=3)
+    stopped: list[float] = []
+
+    def note_when_it_stops() -> None:
+        while cut.leading:
+            time.sleep(0.005)  # sampling a property; nothing to wait on
+        stopped.append(time.monotonic())
+
+    try:
+        assert cut.try_to_lead()
+        assert not other.try_to_lead()
+        link.cut()
+        cut_at = time.monotonic()
+        threading.Thread(target=note_when_it_stops, daemon=True).start()
+        led_at = wait_until(lambda: other.try_to_lead() and time.monotonic(), 10, "a takeover")
+        assert stopped, "the cut leader still believes it leads beside its successor"
+        # It stopped with time in hand (its margin, 0.75 s at this TTL), not at the expiry:
+        # what it was doing when it stopped has that long to end.
+        assert led_at - stopped[0] > 0.5, f"stopped {led_at - stopped[0]:.2f}s before"
+        assert led_at - cut_at <= 3 + 1  # within the TTL (and etcd's expiry check)
+    finally:
+        link.restore()
+        cut.close()
+        other.close()
+        cut_client.close()
+    wait_until(lambda: leases(cluster) == [], 10, "every lease revoked")
+
+
 class CutAfterStarting(LocalLauncher):
     """A real local launcher whose replica is cut off from etcd right after it started
     member `cut_at` of a job, before it could record it: the worst moment to be cut."""
