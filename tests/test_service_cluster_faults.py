@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd
@@ -160,24 +159,18 @@ def test_a_cut_off_leader_stops_leading_before_another_replica_can_lead(
     link = cluster.link()
     cut_client = Etcd(link.endpoints, namespace=namespace, security=EtcdSecurity())
     cut, other = Leadership(cut_client, "cut", ttl=3), Leadership(inspect, "other", ttl=3)
-    stopped: list[float] = []
-
-    def note_when_it_stops() -> None:
-        while cut.leading:
-            time.sleep(0.005)  # sampling a property; nothing to wait on
-        stopped.append(time.monotonic())
-
     try:
         assert cut.try_to_lead()
         assert not other.try_to_lead()
         link.cut()
         cut_at = time.monotonic()
-        threading.Thread(target=note_when_it_stops, daemon=True).start()
+        # No renewal gets through any more: when it stops leading is fixed from now on.
+        stops_at = cut_at + cut.proven_for() - cut.margin
         led_at = wait_until(lambda: other.try_to_lead() and time.monotonic(), 10, "a takeover")
-        assert stopped, "the cut leader still believes it leads beside its successor"
+        assert not cut.leading, "the cut leader still believes it leads beside its successor"
         # It stopped with time in hand (its margin, 0.75 s at this TTL), not at the expiry:
         # what it was doing when it stopped has that long to end.
-        assert led_at - stopped[0] > 0.5, f"stopped {led_at - stopped[0]:.2f}s before"
+        assert led_at - stops_at > 0.5, f"stopped {led_at - stops_at:.2f}s before"
         assert led_at - cut_at <= 3 + 1  # within the TTL (and etcd's expiry check)
     finally:
         link.restore()
@@ -195,6 +188,7 @@ class CutAfterStarting(LocalLauncher):
         super().__init__(logs)
         self.link, self.cut_at = link, cut_at
         self.cut_member: Member | None = None
+        self.killed_at: float | None = None  # time.time() of the cut member's SIGKILL
 
     def start(self, launch: Launch, index: int) -> Member:
         member = super().start(launch, index)
@@ -202,6 +196,11 @@ class CutAfterStarting(LocalLauncher):
             self.link.cut()
             self.cut_member = member
         return member
+
+    def kill(self, member: Member) -> None:
+        if self.cut_member is not None and member.pid == self.cut_member.pid:
+            self.killed_at = time.time()
+        super().kill(member)
 
 
 class Replica:
@@ -251,26 +250,6 @@ class Replica:
         self.etcd.close()
 
 
-def watch_exit(pid: int) -> Callable[[], float | None]:
-    """Watch process `pid` from now on; the returned call gives when it was gone
-    (time.time(), to 10 ms) or None while it runs."""
-    gone: list[float] = []
-
-    def runs() -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    def poll() -> None:
-        while runs():
-            time.sleep(0.01)  # sampling a process's state; no event to wait on
-        gone.append(time.time())
-
-    threading.Thread(target=poll, daemon=True).start()
-    return lambda: gone[0] if gone else None
-
-
 def test_a_leader_cut_off_mid_launch_kills_its_unrecorded_member_before_a_successor_starts_it(
     cluster: EtcdCluster, inspect: Etcd, namespace: str, tmp_path: Path
 ) -> None:
@@ -288,24 +267,27 @@ def test_a_leader_cut_off_mid_launch_kills_its_unrecorded_member_before_a_succes
         assert isinstance(launcher, CutAfterStarting)
         unrecorded = wait_until(lambda: launcher.cut_member, 20, "member 1 to start, then the cut")
         assert unrecorded.pid is not None
-        gone_at = watch_exit(unrecorded.pid)
         cut_at = time.monotonic()
 
         def survivor_started_member_1() -> Path | None:
             return next(survivor.logs.glob("*/attempt-1/member-1.pid"), None)
 
-        pidfile = wait_until(survivor_started_member_1, LEADER_TTL + 10, "the survivor's member 1")
-        taken_over = time.monotonic() - cut_at
-        assert taken_over < LEADER_TTL + 3
-        assert inspect.get(inspect.key("api", "leader")).value == b"survivor"  # type: ignore[union-attr]
-        # The cut replica's copy of member 1 was gone before the survivor's started.
-        dead_at = gone_at()
-        assert dead_at is not None, "the unrecorded member still runs beside its successor"
+        def survivor_leads() -> bool:
+            kv = inspect.get(inspect.key("api", "leader"))
+            return kv is not None and kv.value == b"survivor"
+
+        wait_until(survivor_leads, LEADER_TTL + 10, "the survivor to lead")
+        assert time.monotonic() - cut_at < LEADER_TTL + 3
+        pidfile = wait_until(survivor_started_member_1, 20, "the survivor's member 1")
+        # The cut replica's copy of member 1 got SIGKILL before the survivor's started.
         # (The pidfile is written as the member starts; psutil's start times count from a
         # boot time rounded to the second, so they are not compared with the clock.)
+        killed_at = launcher.killed_at
+        assert killed_at is not None, "the unrecorded member was left running"
         started_at = pidfile.stat().st_mtime
-        assert dead_at < started_at, f"killed {dead_at - started_at:.3f}s after"
-        print(f"the unrecorded copy was gone {started_at - dead_at:.3f}s before its successor")
+        assert killed_at < started_at, f"killed {killed_at - started_at:.3f}s after"
+        print(f"the unrecorded copy was killed {started_at - killed_at:.3f}s before its successor")
+        assert no_member_runs({"attempts": [{"members": [{"pid": unrecorded.pid}]}]})
         assert not cut.leadership.leading
         # The record never named the killed copy.
         record = inspect_store.get("mid").record
