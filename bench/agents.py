@@ -136,6 +136,7 @@ def scheduler_pass(endpoint: str, jobs: int, agents: int, seed: int) -> Table:
                     )
                     store.submit(spec, time.time())
             wait_for(lambda: len(list(store.scan())) == jobs, 30, "the mirror to hold every job")
+            wait_for(leadership.try_to_lead, 10, "the reconciler to lead")  # it acts only then
             timings = []
             for _ in range(2):
                 began = time.perf_counter()

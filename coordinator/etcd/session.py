@@ -5,6 +5,12 @@ crashes disappears from etcd within the TTL instead of leaving stale keys.
 The member itself must stop acting once its lease is gone (others may already
 have judged it dead), so `lost` is set as soon as either etcd says the lease is
 gone or no renewal has been confirmed for a whole TTL.
+
+`proven_for()` says how much longer the lease is certain to live in etcd:
+etcd counts a renewal's TTL from when it receives it, which is after we sent
+it, so the lease lives at least until the last confirmed renewal's sending
+time plus the TTL etcd answered. A holder that must not act once others may
+have taken its place (the service's leader) checks it before each act.
 """
 
 from __future__ import annotations
@@ -55,15 +61,17 @@ class Session(LeaseHolder):
             raise ValueError(f"lease ttl must be at least {MIN_TTL}s, got {ttl}")
         self.etcd = etcd
         self.ttl = ttl
+        asked = time.monotonic()
         super().__init__(etcd.grant_lease(ttl))
         self._stop = threading.Event()
-        self._last_ack = time.monotonic()
+        self._valid_until = asked + ttl  # monotonic: the lease lives in etcd at least until
         self._thread = threading.Thread(target=self._keepalive, daemon=True, name="etcd-keepalive")
         self._thread.start()
 
     def _keepalive(self) -> None:
         interval = self.ttl / 3
         while not self._stop.wait(interval):
+            sent = time.monotonic()
             try:
                 remaining = self.etcd.keepalive(self.lease_id)
             except Exception as exc:  # a transient failure; judged by the deadline below
@@ -76,10 +84,16 @@ class Session(LeaseHolder):
                 self._mark_lost(f"lease {self.lease_id:x} expired in etcd")
                 return
             if remaining is not None:
-                self._last_ack = time.monotonic()
-            elif time.monotonic() - self._last_ack > self.ttl:
+                self._valid_until = max(self._valid_until, sent + remaining)
+            elif time.monotonic() > self._valid_until:
                 self._mark_lost(f"no lease renewal confirmed by etcd for {self.ttl}s")
                 return
+
+    def proven_for(self) -> float:
+        """Seconds the lease is still certain to live in etcd (0 once lost or overdue)."""
+        if self.lost.is_set():
+            return 0.0
+        return max(0.0, self._valid_until - time.monotonic())
 
     def _mark_lost(self, reason: str) -> None:
         if not self._stop.is_set():  # closing: no longer ours to lose

@@ -23,6 +23,11 @@ nor duplicates them (starting a member is idempotent, see `launchers`).
   SIGKILL after the grace; once all are gone the leases of the attempt's keys
   are revoked and its rendezvous keys deleted, and only then does the job
   enter its final state (or its next attempt, a new rendezvous round).
+- Leading: the reconciler acts only while its leadership lease is proven (see
+  `leadership`): each job's step and each member's start first asks. A member
+  is started only then, and recorded with a write fenced by the leader key; one
+  that cannot be recorded before the lease could have expired is killed at
+  once, so a successor that starts that member finds no other copy running.
 - Credentials: each attempt's members connect as an etcd user of the job's own,
   which may touch only `<ns>/jobs/<id>/`. It is made when the attempt starts,
   kept at `<ns>/api/credentials/<id>` (the service's alone, so a new leader can
@@ -38,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +73,12 @@ from coordinator.service.store import InvalidChange, InvalidRecord, JobNotFound,
 log = logging.getLogger(__name__)
 S = JobState
 PAST_CONNECT = {"connect", "training", "cleaner", "done"}
+#: Seconds a member's kill is given before the leadership lease could expire.
+KILL_TIME = 0.25
+
+
+class NotLeading(Exception):
+    """This replica can no longer prove its leadership lease: it stops acting at once."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,8 @@ class Reconciler:
         self._deleted: set[str] = set()  # jobs whose records were deleted: users to remove
         self._deleted_lock = threading.Lock()
         self._watch = etcd.watch(store.prefix, self._on_change, start_revision=0, prefix=True)
+        # Records each member just started, so that waiting for it is bounded by the lease.
+        self._recorder = ThreadPoolExecutor(1, thread_name_prefix="record-member")
 
     def _on_change(self, events: list[WatchEvent]) -> None:
         gone = [e.key[len(self.store.prefix) :] for e in events if e.kind == "delete"]
@@ -125,6 +139,8 @@ class Reconciler:
                     self._leading = True
                 self._remove_deleted_users()
                 self.reconcile_once(time.time())
+            except NotLeading as exc:  # the lease is unproven: nothing more until it is
+                log.warning("reconcile paused: %s", exc)
             except EtcdError as exc:  # etcd away: try again next tick
                 log.warning("reconcile: %s", exc)
             except Exception:  # a bug must not stop every job's progress: log it, go on
@@ -134,6 +150,12 @@ class Reconciler:
 
     def close(self) -> None:
         self._watch.cancel()
+        self._recorder.shutdown(wait=False, cancel_futures=True)
+
+    def _check_leading(self) -> None:
+        if not self.leadership.leading:
+            proven = self.leadership.proven_for()
+            raise NotLeading(f"leadership lease proven for only {proven:.2f}s")
 
     # -- one pass -----------------------------------------------------------
 
@@ -170,13 +192,15 @@ class Reconciler:
     def _isolated(self, job_id: str, step: Callable[..., Any], *args: Any) -> Any:
         """One job's step (its result; None when it failed): what goes wrong with one job
         stops only that job's step, never the others'. A record that turned invalid
-        meanwhile is left alone (the store logged it)."""
+        meanwhile is left alone (the store logged it). A leader that can no longer prove
+        its lease takes no step at all."""
+        self._check_leading()
         try:
             return step(*args)
         except (JobNotFound, InvalidRecord):
             return None
-        except EtcdError:
-            raise  # etcd away: the whole pass waits for the next tick
+        except (EtcdError, NotLeading):
+            raise  # etcd away, or leadership unproven: the whole pass waits for the next tick
         except InvalidChange as exc:
             log.warning("job %s: %s", job_id, exc)
         except Exception:
@@ -227,7 +251,9 @@ class Reconciler:
             started.attempts = [*current.attempts, attempt]
             return started
 
-        record = self.store.update(record.id, change, reservation.guards, puts)
+        self._check_leading()
+        guards = [*reservation.guards, *self.leadership.fence()]
+        record = self.store.update(record.id, change, guards, puts)
         if record.state != S.STARTING or len(record.attempts) != number:
             return False
         if number > 1:
@@ -243,6 +269,7 @@ class Reconciler:
         assert attempt is not None
         launcher = self.launchers[record.spec.launcher]
         for index in range(len(attempt.members), record.spec.workers):
+            self._check_leading()  # never start a member a successor may start too
             try:
                 member = launcher.start(launch, index)
             except Exception as exc:  # no container engine, an image missing, ...
@@ -250,7 +277,32 @@ class Reconciler:
                 self._stop_attempt(record.id, attempt.number, reason, S.FAILED, now)
                 return
             self.launched += 1
-            record = self.store.update(record.id, _with_member(attempt.number, member))
+            record = self._record_started(record.id, attempt.number, member, launcher)
+
+    def _record_started(
+        self, job_id: str, attempt: int, member: Member, launcher: WorkerLauncher
+    ) -> JobRecord:
+        """Record a member just started, fenced by our leadership. Unrecorded once the
+        lease could expire (etcd unreachable, a successor's member in its place), it is
+        killed: nobody else knows of it, and a successor will start that member anew."""
+        budget = self.leadership.proven_for() - KILL_TIME
+        write = self._recorder.submit(
+            self.store.update, job_id, _with_member(attempt, member), self.leadership.fence()
+        )
+        try:
+            record = write.result(timeout=max(0.0, budget))
+        except Exception as exc:
+            launcher.kill(member)
+            why = "no confirmation in time" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning("job %s: member %d killed, unrecorded: %s", job_id, member.index, why)
+            if isinstance(exc, TimeoutError):
+                raise NotLeading(f"member {member.index} of job {job_id} unrecorded") from None
+            raise
+        if not _records(record, attempt, member):
+            launcher.kill(member)
+            log.warning("job %s: member %d killed: not recorded as ours", job_id, member.index)
+            raise NotLeading(f"member {member.index} of job {job_id} not recorded as ours")
+        return record
 
     def _launch(
         self, record: JobRecord, attempt: int, credentials: Credentials | None = None
@@ -591,6 +643,20 @@ def _with_member(attempt: int, member: Member) -> Callable[[JobRecord], JobRecor
         return updated
 
     return change
+
+
+def _records(record: JobRecord, attempt: int, member: Member) -> bool:
+    """The record's attempt `attempt` holds `member` as the one we started (its index
+    with our process or container), not another's."""
+    last = record.attempt
+    if last is None or last.number != attempt:
+        return False
+    found = next((m for m in last.members if m.index == member.index), None)
+    return found is not None and (found.pid, found.started, found.container) == (
+        member.pid,
+        member.started,
+        member.container,
+    )
 
 
 def _root_cause(members: list[Member]) -> str:
