@@ -9,6 +9,7 @@ off: the subject here is faults, not the boundary (tests/test_etcd_auth.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -67,13 +68,13 @@ class CuttableProxy:
             pass
         finally:
             for end in (source, sink):
-                end.close()
+                _hang_up(end)
 
     def cut(self) -> None:
         self.open.clear()
         with self.lock:
             for sock in self.sockets:
-                sock.close()
+                _hang_up(sock)
             self.sockets.clear()
 
     def restore(self) -> None:
@@ -83,6 +84,14 @@ class CuttableProxy:
         self.closed = True
         self.cut()
         self.listener.close()
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """Close a connection for real: a bare close() leaves it open while another thread is
+    blocked reading it (the peer would wait on a connection that is gone)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 class Link:

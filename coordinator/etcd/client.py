@@ -8,6 +8,10 @@ filters wrongly, and loses watch events on disconnect. Here:
 - every call retries transient failures (etcd restarting, a lost connection)
   until `retry_window` has passed, rotating through the endpoints, then raises
   `EtcdUnavailable` naming the endpoints and the cause;
+- in a cluster, an attempt stuck on a member whose leader died (its proposal was
+  forwarded to a dead leader, and etcd never answers it) ends after
+  `attempt_timeout`, and every request asks for a member with a leader, so a
+  request succeeds within a second of an election;
 - watches resume from the last revision they delivered after a disconnect;
 - all keys live under a namespace prefix, so deployments can share an etcd.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +45,17 @@ _TRANSIENT = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.ABORTED,
 }
+
+#: gRPC metadata of etcd's WithRequireLeader: a member that has lost its leader refuses
+#: the request at once, and ends a watch or keepalive stream it serves (after about three
+#: election timeouts), instead of letting it stall where nothing will ever commit.
+REQUIRE_LEADER = (("hasleader", "true"),)
+
+#: Attempts of a request that run out of `attempt_timeout` before its deadline grows.
+SHORT_ATTEMPTS = 3
+
+#: What each attempt of a request is sent with: its deadline and REQUIRE_LEADER.
+CallOptions = dict[str, Any]
 
 
 class EtcdError(RuntimeError):
@@ -352,9 +368,7 @@ class Watch:
             count_only=not keys,
             keys_only=not values,
         )
-        response = self._etcd._call(
-            lambda: self._etcd._kv().Range(request, timeout=self._etcd.timeout)
-        )
+        response = self._etcd._call(lambda o: self._etcd._kv().Range(request, **o))
         return [_kv(kv) for kv in response.kvs], response.header.revision
 
     def _register(self) -> None:
@@ -388,9 +402,12 @@ class Watch:
                 self._remember(events)
             self._callback(events)
 
-        try:
-            self._watch_id = self._etcd._call(
-                lambda: self._etcd._watcher().add_callback(
+        def add(_: CallOptions) -> int:
+            # One registration at a time per client: the library's watcher lets a second
+            # one, which waited for the first, queue its request to a stream that died
+            # meanwhile (as all do when a member dies), where it times out unanswered.
+            with self._etcd._watch_lock:
+                return self._etcd._watcher().add_callback(
                     self._key,
                     on_response,
                     range_end=self._range_end,
@@ -398,7 +415,9 @@ class Watch:
                     filters=self._filters,
                     prev_kv=self._prev_kv,
                 )
-            )
+
+        try:
+            self._watch_id = self._etcd._call(add)
         except RevisionCompactedError as exc:  # compacted before the watch was created
             self._resync(exc.compacted_revision)
             self._register()
@@ -504,10 +523,12 @@ class Etcd:
         retry_window: float | None = None,
         security: EtcdSecurity | None = None,
         probe: str = "",
+        attempt_timeout: float = 0.75,
     ) -> None:
         """`probe`: the part of the namespace this client must read and write, checked on
         connecting (`jobs/<id>/` for a member, whose user may touch only its job; empty:
-        the whole namespace)."""
+        the whole namespace). `attempt_timeout`: the deadline of a request's first
+        attempts (see `_call`), below etcd's default election timeout of 1 s."""
         parsed = parse_endpoints(endpoints)
         self.security = EtcdSecurity.from_env() if security is None else security
         self.security.check_endpoints(parsed)
@@ -517,11 +538,15 @@ class Etcd:
         self.namespace = "/" + namespace.strip("/") if namespace.strip("/") else ""
         self.probe_prefix = f"{self.namespace}/{probe.lstrip('/')}"
         self.timeout = timeout
+        self.attempt_timeout = min(attempt_timeout, timeout)
         self.retry_window = connect_timeout if retry_window is None else retry_window
         self._credentials = self._tls_credentials() if self.secure else None
         self._auth = TokenAuth(self.security, timeout) if self.security.authenticates else None
         self._lock = threading.Lock()
-        self._index = 0
+        self._watch_lock = threading.Lock()  # see Watch._register
+        # Clients start at a random member, so a job's members spread over the cluster.
+        self._index = random.randrange(len(self.endpoints))
+        self._generation = 0  # of the connection: bumped at every move to another endpoint
         self._channel: grpc.Channel | None = None
         self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher, etcdrpc.AuthStub] | None = (
             None
@@ -572,7 +597,7 @@ class Etcd:
             ],
         )
         try:
-            self._call(lambda: self._kv().Txn(probe, timeout=self.timeout), window=connect_timeout)
+            self._call(lambda o: self._kv().Txn(probe, **o), window=connect_timeout)
         except EtcdRefused:
             self.close()
             raise
@@ -609,7 +634,9 @@ class Etcd:
                 self._stubs = (
                     etcdrpc.KVStub(channel),
                     etcdrpc.LeaseStub(channel),
-                    Watcher(etcdrpc.WatchStub(channel), timeout=self.timeout),
+                    Watcher(
+                        etcdrpc.WatchStub(channel), timeout=self.timeout, metadata=REQUIRE_LEADER
+                    ),
                     etcdrpc.AuthStub(channel),
                 )
             return self._stubs
@@ -627,9 +654,7 @@ class Etcd:
         """One call of etcd's Auth service (`UserAdd`, `RoleGrantPermission`, ...) with this
         client's token and retries; what it may do is up to etcd (users and roles: the
         root role only). A refusal raises EtcdError, its cause the grpc.RpcError."""
-        return self._call(
-            lambda: getattr(self._current()[3], method)(request, timeout=self.timeout)
-        )
+        return self._call(lambda o: getattr(self._current()[3], method)(request, **o))
 
     def auth_enabled(self) -> bool:
         """Whether etcd asks for credentials (known by authenticating; without a user this
@@ -637,13 +662,18 @@ class Etcd:
         if self._auth is None:
             return False
         auth = self._auth
-        return bool(self._call(lambda: (self._current(), auth.token())[1]))
+        return bool(self._call(lambda _: (self._current(), auth.token())[1]))
 
-    def _rotate(self) -> None:
-        """Move to the next endpoint; with one endpoint gRPC reconnects by itself."""
+    def _rotate(self, generation: int) -> None:
+        """Move to the next endpoint, unless another thread already moved on from the
+        connection of `generation` (threads failing together move once, not past a good
+        member). With one endpoint gRPC reconnects by itself."""
         if len(self.endpoints) == 1:
             return
         with self._lock:
+            if generation != self._generation:
+                return
+            self._generation += 1
             self._index = (self._index + 1) % len(self.endpoints)
             old_channel, old_stubs = self._channel, self._stubs
             self._channel, self._stubs = None, None
@@ -652,17 +682,34 @@ class Etcd:
         if old_channel is not None:
             old_channel.close()
 
-    def _call(self, request: Callable[[], T], window: float | None = None) -> T:
-        """Send one request, retrying transient failures for `window` seconds."""
+    def _call(self, request: Callable[[CallOptions], T], window: float | None = None) -> T:
+        """Send one request, retrying transient failures for `window` seconds.
+
+        `request` gets the options of one attempt. A write sent to a member that still
+        believes in a leader that just died is forwarded there and lost: etcd answers
+        it only at its deadline, and so does every write sent until that member notices
+        (up to two election timeouts). So the first attempts are short, and only after
+        `SHORT_ATTEMPTS` of them ran out of time does the deadline double (up to
+        `timeout`), for a request that is merely slow under load.
+        """
         deadline = time.monotonic() + (self.retry_window if window is None else window)
         delay = 0.05
+        attempt_timeout = self.attempt_timeout
+        timeouts = 0
         fresh_token = False  # retried once at once after etcd turned our token down
         while True:
             self.operations += 1
+            generation = self._generation
             try:
-                return request()
+                return request({"timeout": attempt_timeout, "metadata": REQUIRE_LEADER})
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    timeouts += 1
+                    if timeouts >= SHORT_ATTEMPTS:
+                        attempt_timeout = min(2 * attempt_timeout, self.timeout)
+                if code == grpc.StatusCode.CANCELLED and generation != self._generation:
+                    code = grpc.StatusCode.UNAVAILABLE  # another thread closed the connection
                 if "requested lease not found" in details:
                     raise LeaseNotFound(details) from exc
                 refusal = self._refusal(code, details)
@@ -684,10 +731,11 @@ class Etcd:
                 cause = exc
             if time.monotonic() + delay > deadline:
                 text = cause.details() if isinstance(cause, grpc.RpcError) else str(cause)  # type: ignore[attr-defined]
+                text = text or type(cause).__name__  # (the library's WatchTimedOut says nothing)
                 raise EtcdUnavailable(
                     f"etcd at {','.join(self.endpoints)}: {text}", text
                 ) from cause
-            self._rotate()
+            self._rotate(generation)
             time.sleep(delay)  # back-off between retries of a failed request
             delay = min(delay * 2, 1.0)
 
@@ -762,9 +810,8 @@ class Etcd:
         return "/".join([self.namespace, *map(str, parts)])
 
     def get(self, key: str) -> KeyValue | None:
-        response = self._call(
-            lambda: self._kv().Range(etcdrpc.RangeRequest(key=key.encode()), timeout=self.timeout)
-        )
+        request = etcdrpc.RangeRequest(key=key.encode())
+        response = self._call(lambda o: self._kv().Range(request, **o))
         return _kv(response.kvs[0]) if response.kvs else None
 
     def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[list[KeyValue], int]:
@@ -773,7 +820,7 @@ class Etcd:
         request = etcdrpc.RangeRequest(
             key=prefix.encode(), range_end=prefix_end(prefix), keys_only=keys_only
         )
-        response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Range(request, **o))
         return [_kv(kv) for kv in response.kvs], response.header.revision
 
     def count_prefix(self, prefix: str, max_create_revision: int = 0) -> int:
@@ -789,13 +836,13 @@ class Etcd:
             keys_only=True,
             max_create_revision=max_create_revision,
         )
-        response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Range(request, **o))
         return response.count if max_create_revision == 0 else len(response.kvs)
 
     def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
         """Write a key; returns the revision of the write."""
         request = etcdrpc.PutRequest(key=key.encode(), value=_bytes(value), lease=lease)
-        return self._call(lambda: self._kv().Put(request, timeout=self.timeout)).header.revision
+        return self._call(lambda o: self._kv().Put(request, **o)).header.revision
 
     def create(
         self, key: str, value: bytes | str, lease: int = 0, count_prefix: str | None = None
@@ -835,7 +882,7 @@ class Etcd:
                 *counted,
             ],
         )
-        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Txn(request, **o))
         ranges = [r.response_range for r in response.responses if r.HasField("response_range")]
         current = _kv(ranges[0].kvs[0])
         count = ranges[1].count if count_prefix else 0
@@ -872,7 +919,7 @@ class Etcd:
             ],
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))],
         )
-        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Txn(request, **o))
         revision = response.header.revision
         if response.succeeded:
             return True, None, revision
@@ -887,7 +934,7 @@ class Etcd:
                 etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
             ],
         )
-        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Txn(request, **o))
         return response.succeeded, response.header.revision
 
     def page(self, prefix: str, after: str | None, limit: int) -> tuple[list[KeyValue], bool]:
@@ -896,7 +943,7 @@ class Etcd:
         request = etcdrpc.RangeRequest(
             key=start.encode(), range_end=prefix_end(prefix), limit=limit
         )
-        response = self._call(lambda: self._kv().Range(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Range(request, **o))
         return [_kv(kv) for kv in response.kvs], bool(response.more)
 
     def put_and_count(
@@ -921,7 +968,7 @@ class Etcd:
                 ),
             ]
         )
-        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Txn(request, **o))
         return response.header.revision, response.responses[1].response_range.count
 
     def transaction(
@@ -953,7 +1000,7 @@ class Etcd:
             op.into(request.success.add())
         for op in otherwise:
             op.into(request.failure.add())
-        response = self._call(lambda: self._kv().Txn(request, timeout=self.timeout))
+        response = self._call(lambda o: self._kv().Txn(request, **o))
         reads = [
             _kv(r.response_range.kvs[0]) if r.response_range.kvs else None
             for r in response.responses
@@ -963,30 +1010,62 @@ class Etcd:
 
     def delete(self, key: str) -> int:
         request = etcdrpc.DeleteRangeRequest(key=key.encode())
-        return self._call(lambda: self._kv().DeleteRange(request, timeout=self.timeout)).deleted
+        return self._call(lambda o: self._kv().DeleteRange(request, **o)).deleted
 
     def delete_prefix(self, prefix: str) -> int:
         request = etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
-        return self._call(lambda: self._kv().DeleteRange(request, timeout=self.timeout)).deleted
+        return self._call(lambda o: self._kv().DeleteRange(request, **o)).deleted
 
     # -- leases -----------------------------------------------------------
 
     def grant_lease(self, ttl: int) -> int:
-        request = etcdrpc.LeaseGrantRequest(TTL=ttl)
-        response = self._call(lambda: self._lease().LeaseGrant(request, timeout=self.timeout))
+        """A new lease of `ttl` seconds.
+
+        Its ID is chosen here, so a retry whose first attempt was granted after all
+        (its answer lost with a dying member) finds that lease instead of leaving it
+        behind with a second one.
+        """
+        lease_id = random.randrange(1, 2**63)
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl, ID=lease_id)
+        attempts = 0
+
+        def grant(options: CallOptions) -> Any:
+            nonlocal attempts
+            attempts += 1
+            return self._lease().LeaseGrant(request, **options)
+
+        try:
+            response = self._call(grant)
+        except EtcdError as exc:
+            if attempts > 1 and "lease already exists" in str(exc):
+                return lease_id  # granted by an earlier attempt
+            raise
         if response.error:
             raise EtcdError(f"etcd refused a lease of {ttl}s: {response.error}")
         return response.ID
 
-    def keepalive(self, lease_id: int) -> int:
-        """Renew a lease once; returns its remaining TTL (0 when it is gone). No retries."""
+    def keepalive(self, lease_id: int, timeout: float | None = None) -> int:
+        """Renew a lease once; returns its remaining TTL (0 when it is gone).
+
+        No retries (the caller renews again soon), but a failure moves the client to
+        the next endpoint, so the next renewal does not go to a dead member again.
+        Raises EtcdUnavailable naming the member and etcd's reason.
+        """
         requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)])
         self.operations += 1
-        call = self._lease().LeaseKeepAlive(requests, timeout=self.timeout)
+        generation = self._generation
+        endpoint = self.endpoints[self._index]
+        call = self._lease().LeaseKeepAlive(
+            requests, timeout=timeout or self.timeout, metadata=REQUIRE_LEADER
+        )
         try:
             return next(call).TTL
         except StopIteration:
             return 0
+        except grpc.RpcError as exc:
+            self._rotate(generation)
+            details = exc.details() or exc.code().name  # type: ignore[attr-defined]
+            raise EtcdUnavailable(f"etcd at {endpoint}: {details}", details) from exc
         finally:
             call.cancel()  # one answer is all we need; an open stream would pile up
 
@@ -994,7 +1073,7 @@ class Etcd:
         """Revoke a lease, deleting every key bound to it. An unknown lease is fine."""
         request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
         with contextlib.suppress(LeaseNotFound):
-            self._call(lambda: self._lease().LeaseRevoke(request, timeout=self.timeout))
+            self._call(lambda o: self._lease().LeaseRevoke(request, **o))
 
     # -- watches ----------------------------------------------------------
 

@@ -70,14 +70,19 @@ class Session(LeaseHolder):
 
     def _keepalive(self) -> None:
         interval = self.ttl / 3
+        # Long enough for a member to find a new leader (renewals wait for one), short
+        # enough to try another member well within the TTL.
+        attempt = min(self.etcd.timeout, max(self.etcd.attempt_timeout, self.ttl / 3))
+        last_failure = ""
         while not self._stop.wait(interval):
             sent = time.monotonic()
             try:
-                remaining = self.etcd.keepalive(self.lease_id)
+                remaining = self.etcd.keepalive(self.lease_id, timeout=attempt)
             except Exception as exc:  # a transient failure; judged by the deadline below
                 log.debug("keepalive failed: %s", exc)
+                last_failure = str(exc)
                 remaining = None
-                interval = min(0.5, self.ttl / 3)
+                interval = min(0.5, self.ttl / 3)  # the client moved on: try the next member
             else:
                 interval = self.ttl / 3
             if remaining == 0:
@@ -86,7 +91,10 @@ class Session(LeaseHolder):
             if remaining is not None:
                 self._valid_until = max(self._valid_until, sent + remaining)
             elif time.monotonic() > self._valid_until:
-                self._mark_lost(f"no lease renewal confirmed by etcd for {self.ttl}s")
+                self._mark_lost(
+                    f"no lease renewal confirmed by etcd for {self.ttl}s; "
+                    f"etcd unavailable: {last_failure}"
+                )
                 return
 
     def proven_for(self) -> float:
