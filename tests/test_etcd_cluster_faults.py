@@ -273,3 +273,44 @@ def test_quorum_lost_for_20_seconds_fails_every_member_naming_etcd(
         etcd_cluster.wait_healthy(index)
     # The leases outlived the outage (a new leader renews them once) and now expire.
     assert_nothing_left(etcd_cluster, admin, procs, lambda key: False, within=2 * TTL + 5)
+
+
+@pytest.mark.slow
+def test_quorum_lost_for_20_seconds_is_waited_out_with_a_longer_ttl(
+    etcd_cluster: EtcdCluster,
+    admin: Etcd,
+    spawn: Callable[[list[str]], Proc],
+    tmp_path: Path,
+) -> None:
+    """With a TTL longer than the outage, members waiting at a barrier wait it out: no
+    lease can expire without a leader, the new leader renews them all, the watches
+    resume where they were, and the job succeeds once the last member arrives."""
+    ttl = 40  # renewed at most ttl/3 before the outage: 13 + 20 + an election < 40
+    resume = tmp_path / "resume"
+    stalled = spawn(
+        member_proc_args(etcd_cluster.link().endpoints, admin.namespace, JOB, 3, ttl=ttl,
+                         stop_before="training", resume_file=resume)
+    )  # fmt: skip
+    workers = [
+        spawn(worker_args(etcd_cluster.link().endpoints, admin.namespace, JOB, 3, ttl=ttl))
+        for _ in range(2)
+    ]
+    stalled.wait_event(lambda e: e["event"] == "stopped", STARTUP)
+    at_barrier = lambda: sum("/training/0/arrived/" in key for key in job_keys(admin))  # noqa: E731
+    wait_until(lambda: at_barrier() == 2, STARTUP, "two arrivals at the training barrier")
+    leader = etcd_cluster.leader()
+    down = [leader, (leader + 1) % etcd_cluster.size]
+    for index in down:
+        etcd_cluster.kill(index)
+    lost_at = time.monotonic()
+    time.sleep(20)  # the outage lasts 20 s
+    assert all(p.process.poll() is None for p in [*workers, stalled]), "a member gave up"
+    for index in down:
+        etcd_cluster.restart(index, wait=False)
+    for index in down:
+        etcd_cluster.wait_healthy(index)
+    resume.touch()
+    succeed(workers)
+    assert stalled.wait_exit(STARTUP) == 0, stalled.stderr[-5:]
+    assert time.monotonic() - lost_at < 20 + 30
+    assert_nothing_left(etcd_cluster, admin, [*workers, stalled], lambda key: False, TTL + 2)
