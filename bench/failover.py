@@ -5,11 +5,11 @@ election timeout). Each repeat starts fresh clients (each at a random member, as
 members do), SIGKILLs the raft leader and times, from the kill:
 
 - election: until a surviving member reports itself leader (the baseline);
-- member session: a put bound to the member's lease, then a renewal of the lease,
-  both done (what a member needs to go on);
+- member session: a put bound to the member's lease and a renewal of the lease
+  (from a thread of its own, as a session renews), both done;
 - plain put: one put of a client that holds no lease;
-- watch event: until a watch delivers a write made after the kill (a writer puts
-  every 20 ms).
+- watch event: until a watch delivers a write sent after the kill (a writer puts
+  every 20 ms; each value says when it was sent).
 
 Then the killed member is restarted and the next repeat begins.
 
@@ -72,11 +72,11 @@ def one_failover(cluster: EtcdCluster, ttl: int) -> dict[str, float]:
     stop = threading.Event()
     watched = watcher.key("ticks")
     killed_at = [0.0]
-    revision_at_kill = [0]
     delivered = threading.Event()
 
     def on_events(events: list[WatchEvent]) -> None:
-        if revision_at_kill[0] and any(e.revision > revision_at_kill[0] for e in events):
+        # Ticks hold when they were sent: only one sent after the kill counts.
+        if killed_at[0] and any(float(e.value) >= killed_at[0] for e in events):
             delivered.set()
 
     watch = watcher.watch(watched, on_events, start_revision=0)
@@ -89,16 +89,23 @@ def one_failover(cluster: EtcdCluster, ttl: int) -> dict[str, float]:
 
     ticker = threading.Thread(target=write_ticks, daemon=True)
     ticker.start()
-    revision_at_kill[0] = writer.put(writer.key("mark"), "")
 
     def session() -> None:
+        """A put bound to the lease and a renewal, concurrently (a member's session renews
+        from a thread of its own); done when both are."""
+
+        def renew() -> None:
+            while True:  # as a session renews after a failure
+                try:
+                    if member.keepalive(lease, timeout=max(member.attempt_timeout, ttl / 3)):
+                        return
+                except EtcdError:
+                    time.sleep(0.5)
+
+        renewal = threading.Thread(target=renew)
+        renewal.start()
         member.put(member.key("after"), "", lease)
-        while True:  # renewals as a member's session makes them after a failure
-            try:
-                if member.keepalive(lease, timeout=max(member.attempt_timeout, ttl / 3)):
-                    return
-            except EtcdError:
-                time.sleep(0.5)
+        renewal.join()
 
     results: dict[str, float] = {}
     threads = [

@@ -699,7 +699,7 @@ class Etcd:
         fresh_token = False  # retried once at once after etcd turned our token down
         while True:
             self.operations += 1
-            generation = self._generation
+            generation, timeouts_before = self._generation, timeouts
             try:
                 return request({"timeout": attempt_timeout, "metadata": REQUIRE_LEADER})
             except grpc.RpcError as exc:
@@ -736,8 +736,9 @@ class Etcd:
                     f"etcd at {','.join(self.endpoints)}: {text}", text
                 ) from cause
             self._rotate(generation)
-            time.sleep(delay)  # back-off between retries of a failed request
-            delay = min(delay * 2, 1.0)
+            if timeouts_before == timeouts:  # (an attempt that timed out has waited already)
+                time.sleep(delay)  # back-off between retries of a failed request
+                delay = min(delay * 2, 1.0)
 
     def _refusal(self, code: grpc.StatusCode, details: str) -> EtcdRefused | None:
         """The TLS or auth setting a failure points at, if it is one (retries cannot fix it)."""
