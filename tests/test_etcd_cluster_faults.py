@@ -93,6 +93,11 @@ def assert_nothing_left(
     assert admin.count_prefix(admin.key("jobs", JOB, "rendezvous") + "/") == 0
 
 
+def at_training(admin: Etcd) -> int:
+    """How many members have arrived at the `training` barrier."""
+    return sum("/training/0/arrived/" in key for key in job_keys(admin))
+
+
 def first_seen(
     procs: list[Proc], predicate: Callable[[dict[str, Any]], bool], timeout: float
 ) -> list[float]:
@@ -162,8 +167,7 @@ def test_leader_killed_while_members_wait_at_a_named_barrier(
     stalled.wait_event(lambda e: e["event"] == "stopped", STARTUP)
     for w in workers:
         w.wait_event(lambda e: e.get("phase") == "connect", STARTUP)
-    at_barrier = lambda: sum("/training/0/arrived/" in key for key in job_keys(admin))  # noqa: E731
-    wait_until(lambda: at_barrier() == 2, STARTUP, "two arrivals at the training barrier")
+    wait_until(lambda: at_training(admin) == 2, STARTUP, "two arrivals at the training barrier")
     kill_leader(etcd_cluster)
     resume.touch()
     succeed(workers)
@@ -296,8 +300,7 @@ def test_quorum_lost_for_20_seconds_is_waited_out_with_a_longer_ttl(
         for _ in range(2)
     ]
     stalled.wait_event(lambda e: e["event"] == "stopped", STARTUP)
-    at_barrier = lambda: sum("/training/0/arrived/" in key for key in job_keys(admin))  # noqa: E731
-    wait_until(lambda: at_barrier() == 2, STARTUP, "two arrivals at the training barrier")
+    wait_until(lambda: at_training(admin) == 2, STARTUP, "two arrivals at the training barrier")
     leader = etcd_cluster.leader()
     down = [leader, (leader + 1) % etcd_cluster.size]
     for index in down:
