@@ -1,6 +1,7 @@
 """Time from all members started to all holding the roster, ours against PyTorch elastic.
 
-Our members are spread over K processes (`--processes`), threads in each, so
+Our members are spread over K processes (`--processes`, by default one per
+`--per-process` members), threads in each, so
 that one interpreter is not the bottleneck; each member has its own etcd
 client, made in its process before the start. All are released together, and
 the time ends when the last one has passed `connect` (it holds the roster and
@@ -46,6 +47,7 @@ from queue import Empty
 from typing import Any
 
 import typer
+from grpc import _common as grpc_common
 from rich.console import Console
 from rich.table import Table
 
@@ -81,18 +83,27 @@ def _run_members(
     endpoint: str,
     namespace: str,
     timeout: float,
+    ttl: int,
     ready: Any,
     start: ProcessEvent,
     results: Any,
 ) -> None:
     """One process's share: `count` member threads, released by `start`."""
+    # gRPC's blocking stream reads wake every 0.1 s (so that the main thread's signal
+    # handlers run); each member's watch thread blocks in one. A member process has
+    # one; this one has hundreds, whose wake-ups (thousands a second) would contend
+    # for its one interpreter lock and measure this packing, not the rendezvous.
+    grpc_common.MAXIMUM_WAIT_TIMEOUT = 1.0
+    # On a real deployment etcd has its own host; here it shares two cores with
+    # hundreds of members, whose turn comes after etcd's.
+    os.nice(10)
     clients = [Etcd(endpoint, namespace=namespace, connect_timeout=60) for _ in range(count)]
     go = threading.Event()
     outcomes: list[MemberResult | str] = []
     lock = threading.Lock()
 
     def one(etcd: Etcd) -> None:
-        member = Member(etcd, "bench", n, ttl=10, timeout=timeout)
+        member = Member(etcd, "bench", n, ttl=ttl, timeout=timeout)
         go.wait()
         try:
             member.rendezvous()
@@ -146,7 +157,12 @@ def etcd_requests(metrics_url: str) -> float:
 
 
 def measure_ours(
-    n: int, endpoint: str, metrics_url: str, processes: int, timeout: float = 120.0
+    n: int,
+    endpoint: str,
+    metrics_url: str,
+    processes: int,
+    ttl: int = 10,
+    timeout: float = 120.0,
 ) -> dict[str, float]:
     """One rendezvous of n members over `processes` processes: phase times and costs."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
@@ -158,16 +174,18 @@ def measure_ours(
     workers = [
         context.Process(
             target=_run_members,
-            args=(n, share, endpoint, namespace, timeout, ready, start, results),
+            args=(n, share, endpoint, namespace, timeout, ttl, ready, start, results),
             daemon=True,
         )
         for share in shares
     ]
     for worker in workers:
         worker.start()
+    stage = "connect their clients"
     try:
         for _ in workers:
             ready.get(timeout=120)
+        stage = "finish"
         requests_before = etcd_requests(metrics_url)
         started = time.time()
         start.set()
@@ -178,7 +196,7 @@ def measure_ours(
         ended = max((o.done_at for o in outcomes if isinstance(o, MemberResult)), default=0.0)
         requests = etcd_requests(metrics_url) - requests_before
     except Empty:
-        raise RuntimeError(f"N={n}: the member processes did not report in time") from None
+        raise RuntimeError(f"N={n}: the member processes did not {stage} in time") from None
     finally:
         for worker in workers:
             worker.join(timeout=30)
@@ -243,9 +261,17 @@ def roster_table(sizes: list[int]) -> Table:
 def main(
     sizes: str = typer.Option("16,64,256,1000", help="member counts"),
     processes: int = typer.Option(
-        max(2, os.cpu_count() or 1), min=1, help="processes our members are spread over"
+        0, min=0, help="processes our members are spread over (0: one per --per-process)"
+    ),
+    per_process: int = typer.Option(
+        32,
+        min=1,
+        help="members per process when --processes is 0: every gRPC thread of a process "
+        "wakes to check for signals 5-10 times a second, so a process of hundreds of "
+        "members spends its time contending for its interpreter lock",
     ),
     repeats: int = typer.Option(1, min=1, help="runs per N; the median time is shown"),
+    ttl: int = typer.Option(10, min=2, help="the members' lease TTL (seconds)"),
     skip_torch: bool = typer.Option(False, help="measure only our rendezvous"),
     torch_max: int = typer.Option(256, help="run torch only up to this N"),
     torch_timeout: float = typer.Option(120.0, help="give up on a torch rendezvous after this"),
@@ -255,8 +281,8 @@ def main(
     counts = [int(s) for s in sizes.split(",")]
     backends = {} if skip_torch else torch_elastic.MEASURES
     table = Table(
-        title=f"all members started -> all hold the roster (seconds; members are threads "
-        f"in {processes} processes)"
+        title="all members started -> all hold the roster (seconds; members are threads "
+        + (f"in {processes} processes)" if processes else f"in processes of up to {per_process})")
     )
     columns = ["N", "join", "publish", "read", "connect = total", "etcd reqs/member*"]
     columns += ["x N0", "etcd served", "etcd req/s", "roster bytes"]
@@ -270,10 +296,21 @@ def main(
         server.security.export()  # members and clients log in as root (auth is on)
         metrics_url = f"http://127.0.0.1:{server.health_port}/metrics"
         for n in counts:
-            runs = [
-                measure_ours(n, server.endpoint, metrics_url, min(processes, n))
-                for _ in range(repeats)
-            ]
+            try:
+                runs = [
+                    measure_ours(
+                        n,
+                        server.endpoint,
+                        metrics_url,
+                        min(processes or -(-n // per_process), n),
+                        ttl,
+                    )
+                    for _ in range(repeats)
+                ]
+            except RuntimeError as exc:  # say so in the table, and go on with the next N
+                console.print(f"N={n}: {exc}")
+                table.add_row(str(n), f"failed: {str(exc)[:60]}")
+                continue
             run = min(
                 runs, key=lambda r: abs(r["total"] - statistics.median(x["total"] for x in runs))
             )
