@@ -1,9 +1,9 @@
 """Time from all members started to all holding the roster, ours against PyTorch elastic.
 
 Our members are spread over K processes (`--processes`, by default one per
-`--per-process` members), threads in each, so
-that one interpreter is not the bottleneck; each member has its own etcd
-client, made in its process before the start. All are released together, and
+`--per-process` members), threads in each, so that one interpreter is not the
+bottleneck; each member has its own etcd client, made in its process before
+the start. All are released together, and
 the time ends when the last one has passed `connect` (it holds the roster and
 the leader reached it). Everything runs on this machine's loopback.
 
@@ -26,6 +26,7 @@ N = 10,000, from a roster built here.
 
     python bench/rendezvous.py                                  # N = 16, 64, 256, 1000
     python bench/rendezvous.py --sizes 16,64 --processes 2 --skip-torch
+    python bench/rendezvous.py --sizes 512 --skip-torch --ttl 30  # 2 shared cores: see README
 """
 
 from __future__ import annotations
