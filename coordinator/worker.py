@@ -33,6 +33,7 @@ from coordinator.rendezvous.errors import (
     Unreachable,
 )
 from coordinator.rendezvous.member import Member
+from coordinator.rendezvous.roster import check_world_size
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -158,6 +159,7 @@ def run_worker(options: WorkerOptions) -> int:
         return EXIT_USAGE
     try:  # bad input is named before anything touches etcd
         check_name("job id", options.job_id)
+        check_world_size(options.world_size)
         parse_endpoints(options.etcd)
         job = make_job(options.kind, options.params, options.world_size, options.program)
     except ValueError as exc:

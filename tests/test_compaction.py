@@ -117,6 +117,33 @@ def test_a_broken_watch_resumes_past_a_compaction_with_what_changed(
             only.cancel()
 
 
+def test_a_delete_watch_told_its_keys_reports_one_a_compaction_hid(
+    etcd: Etcd, proxy: CuttableProxy
+) -> None:
+    """An only-deletes watch given its keys (`known_keys`, `expect`) reads none at the
+    start, yet reports the deletion of an expected key that a compaction hid from it."""
+    prefix = etcd.key("w3") + "/"
+    revision = etcd.put(prefix + "told", "1")
+    etcd.put(prefix + "untold", "1")
+    deletes = Collected()
+    with Etcd(proxy.endpoint, namespace=etcd.namespace) as via_proxy:
+        only = via_proxy.watch(
+            prefix, deletes, revision + 2, prefix=True, only_deletes=True, known_keys=()
+        )
+        try:
+            only.expect([prefix + "told"])
+            proxy.cut()
+            etcd.delete(prefix + "told")
+            etcd.delete(prefix + "untold")
+            compact(etcd)
+            proxy.restore()
+            wait_until(lambda: deletes.seen("delete", prefix + "told"), 30, "the hidden delete")
+            # Never expected: had the watch read the keys at its start, it would know it.
+            assert not deletes.seen("delete", prefix + "untold")
+        finally:
+            only.cancel()
+
+
 def test_a_compaction_during_a_barrier_wait_does_not_stall_it(
     own_etcd: EmbeddedEtcd, namespace: str, proxy: CuttableProxy
 ) -> None:

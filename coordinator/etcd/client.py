@@ -23,7 +23,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -325,7 +325,9 @@ class Watch:
     the last value of every key it has seen. An `only_deletes` watch gets no puts
     (etcd filters them: N members watching N keys would otherwise get N^2), so it
     reads its keys once when it starts (their names only), and after a compaction
-    reports those of them that are gone, with an empty `prev_value`.
+    reports those of them that are gone, with an empty `prev_value`. A caller that
+    knows those keys gives them (`known_keys`, and later `expect`) instead: N
+    members each reading N keys would cost N^2.
     """
 
     def __init__(
@@ -337,6 +339,7 @@ class Watch:
         prefix: bool = False,
         only_deletes: bool = False,
         prev_kv: bool = True,
+        known_keys: Iterable[str] | None = None,
     ) -> None:
         self._etcd = etcd
         self._prev_kv = prev_kv
@@ -350,7 +353,9 @@ class Watch:
         self._closed = False
         self._watch_id: int | None = None
         self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else None
-        if only_deletes or start_revision == 0:
+        if only_deletes and known_keys is not None and start_revision != 0:
+            self._known = dict.fromkeys(known_keys, b"")
+        elif only_deletes or start_revision == 0:
             # "From now" pinned to a revision, so a reconnect resumes there, not at a later
             # "now"; and the keys that exist now, whose deletion must be seen after a
             # compaction too.
@@ -370,6 +375,12 @@ class Watch:
         )
         response = self._etcd._call(lambda o: self._etcd._kv().Range(request, **o))
         return [_kv(kv) for kv in response.kvs], response.header.revision
+
+    def expect(self, keys: Iterable[str]) -> None:
+        """Also report these keys' deletion if a compaction hides it (`known_keys`)."""
+        with self._lock:
+            for key in keys:
+                self._known.setdefault(key, b"")
 
     def _register(self) -> None:
         def on_response(response: object) -> None:
@@ -1086,10 +1097,11 @@ class Etcd:
         prefix: bool = False,
         only_deletes: bool = False,
         prev_kv: bool = True,
+        known_keys: Iterable[str] | None = None,
     ) -> Watch:
-        """Deliver changes of `key` (or every key under it) from `start_revision` on."""
-        options = {"prefix": prefix, "only_deletes": only_deletes, "prev_kv": prev_kv}
-        return Watch(self, key, callback, start_revision, **options)
+        """Deliver changes of `key` (or every key under it) from `start_revision` on
+        (`known_keys`: see `Watch`)."""
+        return Watch(self, key, callback, start_revision, prefix, only_deletes, prev_kv, known_keys)
 
 
 def _unchanged(key: str, mod_revision: int) -> etcdrpc.Compare:

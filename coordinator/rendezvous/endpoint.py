@@ -59,7 +59,10 @@ class MemberEndpoint:
         self._authorized = threading.Condition()
         self._active = 0  # connections accepted and not yet closed
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._sock = socket.create_server((bind_host, port), family=family, backlog=128)
+        # Every member probes the leader at once: a short backlog would drop their
+        # connections, and each dropped one waits a second for its SYN to be resent.
+        backlog = max(128, min(max_connections, 4096))
+        self._sock = socket.create_server((bind_host, port), family=family, backlog=backlog)
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name="member-endpoint")

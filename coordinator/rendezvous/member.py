@@ -53,7 +53,13 @@ from coordinator.rendezvous.errors import (
     SessionLost,
     Unreachable,
 )
-from coordinator.rendezvous.roster import MemberAddress, Roster
+from coordinator.rendezvous.roster import (
+    ROSTER_LIMIT_BYTES,
+    MemberAddress,
+    Roster,
+    RosterFormatError,
+    check_world_size,
+)
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -125,8 +131,7 @@ class Member:
         port: int = 0,
         member_id: str | None = None,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        check_world_size(world_size)
         self.etcd = etcd
         self.job_id = check_name("job id", job_id)
         self.world_size = world_size
@@ -140,6 +145,8 @@ class Member:
         self.roster: Roster | None = None
         self.timeline: list[PhaseRecord] = []
         self.cleaned_up = False  # True on the member that deleted the job's keys
+        self.roster_written_at: float | None = None  # on the leader: when (wall clock)
+        self.roster_bytes = 0  # on the leader: the size of the roster it wrote
         self._address = address
         self._port = port
         self._session: Session | None = None
@@ -179,9 +186,13 @@ class Member:
         )
 
         # Arrival order gives each member a first guess at its ordinal, so N
-        # members make N claims instead of N^2 when they all start together.
-        my_revision = self.etcd.put(self.keys.arrivals + self.member_id, info, lease)
-        ahead = self.etcd.count_prefix(self.keys.arrivals, max_create_revision=my_revision - 1)
+        # members make N claims instead of N^2 when they all start together. The
+        # count comes with the write, in one transaction, and is a number, not the
+        # keys: N members reading the arrivals ahead of them would cost N^2.
+        _, arrived_count = self.etcd.put_and_count(
+            self.keys.arrivals + self.member_id, info, lease, self.keys.arrivals
+        )
+        ahead = arrived_count - 1
         if ahead >= self.world_size:
             raise JobFull(
                 f"job '{self.job_id}' already has {self.world_size} members "
@@ -189,26 +200,31 @@ class Member:
             )
         rank, claim, count = self._claim(ahead, info, lease)
         self.rank = rank
+        # Which member keys a compaction must not hide the deletion of is known once
+        # the set is complete (`expect` below), so the watch need not read them now.
         self._liveness = self.etcd.watch(
             self.keys.members,
             self._on_member_deleted,
             start_revision=claim.create_revision + 1,
             prefix=True,
             only_deletes=True,
+            known_keys=(),
         )
         if count >= self.world_size:  # this claim completed the set: announce it
-            members, _ = self.etcd.get_prefix(self.keys.members)
-            elected = {
-                "round": members[0].create_revision,
-                "members": [json.loads(m.value)["member_id"] for m in members],
-            }
-            self.etcd.put(self.keys.elected, json.dumps(elected), lease)
+            leader = self.etcd.get(self.keys.member(0))
+            if leader is not None:  # (else rank 0 is already lost, and all hear of it)
+                elected = {"round": leader.create_revision, "complete_at": claim.create_revision}
+                self.etcd.put(self.keys.elected, json.dumps(elected), lease)
 
         def is_mine(value: bytes) -> int | None:
-            elected = json.loads(value)
-            members = elected["members"]
-            ours = len(members) == self.world_size and members[rank] == self.member_id
-            return elected["round"] if ours else None
+            """The round, if the set announced includes our claim: it was complete at a
+            revision after our claim, and our key has not vanished since (we would have
+            heard). An announcement of an earlier round was complete before it."""
+            elected = member_state(value)
+            complete_at, round_ = elected.get("complete_at"), elected.get("round")
+            if not isinstance(complete_at, int) or not isinstance(round_, int):
+                return None
+            return round_ if complete_at >= claim.create_revision else None
 
         self.round = self._wait(
             self.keys.elected,
@@ -217,6 +233,7 @@ class Member:
             recheck=lambda: _maybe(self.etcd.get(self.keys.elected), lambda kv: is_mine(kv.value)),
             missing=lambda: self._missing_ranks(self.keys.members),
         )
+        self._liveness.expect(self.keys.member(r) for r in range(self.world_size))
         self._record(arrived)
         return rank
 
@@ -323,7 +340,15 @@ class Member:
             members=[addresses[r] for r in range(self.world_size)],
             secret=handshake.new_secret().hex(),  # a new round, a new secret
         )
-        created, current_kv, _ = self.etcd.create(self.keys.roster, roster.to_etcd(), self._lease())
+        value = roster.packed()
+        if len(value) > ROSTER_LIMIT_BYTES:
+            raise RendezvousError(
+                f"job '{self.job_id}': the roster of {self.world_size} members packs to "
+                f"{len(value)} bytes, above the {ROSTER_LIMIT_BYTES} one etcd request may carry "
+                "(member ids or host names are unusually long; shorten them)"
+            )
+        created, current_kv, _ = self.etcd.create(self.keys.roster, value, self._lease())
+        self.roster_written_at, self.roster_bytes = time.time(), len(value)
         if not created:
             other = read_roster(current_kv.value).round
             raise RendezvousError(
@@ -640,6 +665,8 @@ def read_roster(value: bytes) -> Roster:
     """A roster from etcd; one that does not parse stops the member, naming the field."""
     try:
         return Roster.from_etcd(value)
+    except RosterFormatError as exc:  # names the part, never the value
+        raise RendezvousError(f"the job's roster in etcd is malformed: {exc}") from None
     except ValidationError as exc:  # never the input: it may hold the secret
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
