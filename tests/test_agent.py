@@ -134,6 +134,7 @@ def test_sigterm_drains_a_running_member_and_deregisters_first(
     assert etcd.get(member) is None  # its report went with the agent's lease
 
 
+@pytest.mark.slow  # ~10 s: a cut past the lease, then a member
 def test_an_agent_cut_off_past_its_lease_stops_its_members_and_registers_again(
     etcd: Etcd, etcd_server: EmbeddedEtcd, tmp_path: Path
 ) -> None:

@@ -113,6 +113,7 @@ def kill_leader(cluster: EtcdCluster) -> int:
     return leader
 
 
+@pytest.mark.slow  # (budget: the steps job below covers a leader kill by default)
 def test_leader_killed_while_members_join(
     etcd_cluster: EtcdCluster, admin: Etcd, spawn: Callable[[list[str]], Proc]
 ) -> None:
@@ -133,6 +134,7 @@ def test_leader_killed_while_members_join(
     assert_nothing_left(etcd_cluster, admin, [*early, late], lambda key: False, within=TTL + 2)
 
 
+@pytest.mark.slow  # (budget: the steps job below covers a leader kill by default)
 def test_leader_killed_while_members_wait_at_a_named_barrier(
     etcd_cluster: EtcdCluster,
     admin: Etcd,
