@@ -176,29 +176,23 @@ class Soak:
         for n in range(2):
             name = f"service-{n}"
             self.ports[name] = free_port()
-            data = self.root / name
-            data.mkdir(mode=0o700)
-            link = self.cluster.link()
-            self.replicas.append(
-                Restartable(
-                    name, self._serve_args(name, data, link), self.root / f"{name}.log", link
-                )
-            )
+            self.replicas.append(self._process(name, self._serve_args))
         for n in range(3):
-            name = f"agent-{n}"
-            data = self.root / name
-            data.mkdir(mode=0o700)
-            link = self.cluster.link()
-            self.agents.append(
-                Restartable(
-                    name, self._agent_args(name, data, link), self.root / f"{name}.log", link
-                )
-            )
+            self.agents.append(self._process(f"agent-{n}", self._agent_args))
         for process in [*self.replicas, *self.agents]:
             process.start()
         for replica in self.replicas:
             wait_for(lambda r=replica: self._answers(r), 60, f"{replica.name} to answer")
         wait_for(lambda: len(self._agents_registered()) == len(self.agents), 60, "agents")
+
+    def _process(
+        self, name: str, args: Callable[[str, Path, Link], Callable[[], list[str]]]
+    ) -> Restartable:
+        """A replica or an agent: its data dir, its own link to etcd, its log."""
+        data = self.root / name
+        data.mkdir(mode=0o700)
+        link = self.cluster.link()
+        return Restartable(name, args(name, data, link), self.root / f"{name}.log", link)
 
     def _serve_args(self, name: str, data: Path, link: Link) -> Callable[[], list[str]]:
         return lambda: [

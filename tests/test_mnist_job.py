@@ -33,6 +33,7 @@ from coordinator.jobs.mnist import batch_rows, initial_model, parse
 from coordinator.ps.model import MnistNet
 from coordinator.ps.wire import HEADER, MAGIC, Dtype, Kind
 from coordinator.rendezvous import handshake
+from coordinator.rendezvous.member import read_roster
 from coordinator.simulator.delays import Trace
 from tests.conftest import Proc, wait_until, worker_args
 
@@ -455,8 +456,8 @@ def test_a_stray_prober_is_refused_and_changes_nothing(
     ranks = [p.wait_event(lambda e: e.get("phase") == "leader_election", 60)["rank"] for p in procs]
     by_rank = dict(zip(ranks, procs, strict=True))
     by_rank[0].wait_event(lambda e: e.get("phase") == "connect", 60)  # the server serves
-    roster = json.loads(etcd.get(etcd.key("jobs", "probed", "rendezvous", "roster")).value)
-    round_ = roster["round"]
+    roster = read_roster(etcd.get(etcd.key("jobs", "probed", "rendezvous", "roster")).value)
+    round_ = roster.round
 
     size = sum(p.numel() for p in MnistNet().parameters()) * 4
     claim = json.dumps({"job": "probed", "round": round_, "trainer": 0, "layout": "x"})
@@ -466,13 +467,13 @@ def test_a_stray_prober_is_refused_and_changes_nothing(
         "poisoned push": HEADER.pack(MAGIC, Kind.PUSH, Dtype.FLOAT32, 0, 0, 1, size)
         + struct.pack("<f", 1e30) * 4096,
     }
-    for member in roster["members"][:2]:  # the server, and trainer rank 1
-        host, port = member["host"], member["port"]
-        wrong = handshake.key_for(handshake.new_secret(), "probed", round_, member["member_id"])
+    for member in roster.members[:2]:  # the server, and trainer rank 1
+        host, port = member.host, member.port
+        wrong = handshake.key_for(handshake.new_secret(), "probed", round_, member.member_id)
         for what, data in attempts.items():
             for key in (None, wrong):
                 reply = prober_says(host, port, key, data)
-                assert reply == handshake.REFUSED, (member["rank"], what, reply)
+                assert reply == handshake.REFUSED, (member.rank, what, reply)
         with (
             socket.create_connection((host, port), timeout=10) as sock,
             pytest.raises(handshake.HandshakeRefused) as refused,

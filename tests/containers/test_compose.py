@@ -112,6 +112,7 @@ def exited(containers: list[Container]) -> bool:
     return all(c.status == "exited" for c in containers)
 
 
+@pytest.mark.slow  # ~150 s: builds the worker image with torch (the compose DDP test reuses it)
 @pytest.mark.timeout(1800)
 def test_the_worker_image_has_pytorch_for_cpu(
     podman_service: PodmanService, images: Images
