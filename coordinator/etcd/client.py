@@ -737,7 +737,13 @@ class Etcd:
             except SecurityError as exc:  # the password file went away
                 raise EtcdRefused("credentials", str(exc)) from exc
             except Exception as exc:  # the watch stream reports its failures as plain errors
-                if type(exc).__name__ not in ("WatchTimedOut", "ConnectionFailedError"):
+                # (and gRPC raises ValueError for a call on a connection that another
+                # thread closed as it moved to the next member: retried on the new one)
+                closed = isinstance(exc, ValueError) and "closed" in str(exc).lower()
+                if not closed and type(exc).__name__ not in (
+                    "WatchTimedOut",
+                    "ConnectionFailedError",
+                ):
                     raise
                 cause = exc
             if time.monotonic() + delay > deadline:
