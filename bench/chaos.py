@@ -183,7 +183,7 @@ class Soak:
             process.start()
         for replica in self.replicas:
             wait_for(lambda r=replica: self._answers(r), 60, f"{replica.name} to answer")
-        wait_for(lambda: len(self._agents_registered()) == len(self.agents), 60, "agents")
+        wait_for(lambda: len(self._registrations()) == len(self.agents), 60, "agents")
 
     def _process(
         self, name: str, args: Callable[[str, Path, Link], Callable[[], list[str]]]
@@ -229,9 +229,6 @@ class Soak:
             return self.probe.get_prefix(self.probe.key(*parts) + "/")[0]
         except EtcdError:
             return []
-
-    def _agents_registered(self) -> set[str]:
-        return set(self._registrations())
 
     def _registrations(self) -> dict[str, int]:
         """Agent id -> the lease its registration is under (a new one once it came back)."""

@@ -107,6 +107,23 @@ def succeed(procs: list[Proc], timeout: float = STARTUP) -> list[dict[str, Any]]
     return [p.wait_event(lambda e: e["event"] == "done") for p in procs]
 
 
+def two_then_one_stalled(
+    cluster: EtcdCluster, admin: Etcd, spawn: Callable[[list[str]], Proc], resume: Path, ttl: int
+) -> tuple[Proc, list[Proc]]:
+    """Three members of JOB, each through its own link: one stops before the `training`
+    barrier until `resume` exists (returned once it has stopped), two run on."""
+    stalled = spawn(
+        member_proc_args(cluster.link().endpoints, admin.namespace, JOB, 3, ttl=ttl,
+                         stop_before="training", resume_file=resume)
+    )  # fmt: skip
+    workers = [
+        spawn(worker_args(cluster.link().endpoints, admin.namespace, JOB, 3, ttl=ttl))
+        for _ in range(2)
+    ]
+    stalled.wait_event(lambda e: e["event"] == "stopped", STARTUP)
+    return stalled, workers
+
+
 def kill_leader(cluster: EtcdCluster) -> int:
     leader = cluster.leader()
     cluster.kill(leader)
@@ -144,15 +161,7 @@ def test_leader_killed_while_members_wait_at_a_named_barrier(
     """Two members wait at the `training` barrier; the leader dies, and the third
     arrives during the election: the barrier opens for all."""
     resume = tmp_path / "resume"
-    stalled = spawn(
-        member_proc_args(etcd_cluster.link().endpoints, admin.namespace, JOB, 3, ttl=TTL,
-                         stop_before="training", resume_file=resume)
-    )  # fmt: skip
-    workers = [
-        spawn(worker_args(etcd_cluster.link().endpoints, admin.namespace, JOB, 3, ttl=TTL))
-        for _ in range(2)
-    ]
-    stalled.wait_event(lambda e: e["event"] == "stopped", STARTUP)
+    stalled, workers = two_then_one_stalled(etcd_cluster, admin, spawn, resume, TTL)
     for w in workers:
         w.wait_event(lambda e: e.get("phase") == "connect", STARTUP)
     wait_until(lambda: at_training(admin) == 2, STARTUP, "two arrivals at the training barrier")
@@ -279,15 +288,7 @@ def test_quorum_lost_for_20_seconds_is_waited_out_with_a_longer_ttl(
     resume where they were, and the job succeeds once the last member arrives."""
     ttl = 60  # renewed at most ttl/3 before the outage: 20 + 20 + the restart (slow on a busy host)
     resume = tmp_path / "resume"
-    stalled = spawn(
-        member_proc_args(etcd_cluster.link().endpoints, admin.namespace, JOB, 3, ttl=ttl,
-                         stop_before="training", resume_file=resume)
-    )  # fmt: skip
-    workers = [
-        spawn(worker_args(etcd_cluster.link().endpoints, admin.namespace, JOB, 3, ttl=ttl))
-        for _ in range(2)
-    ]
-    stalled.wait_event(lambda e: e["event"] == "stopped", STARTUP)
+    stalled, workers = two_then_one_stalled(etcd_cluster, admin, spawn, resume, ttl)
     wait_until(lambda: at_training(admin) == 2, STARTUP, "two arrivals at the training barrier")
     leader = etcd_cluster.leader()
     down = [leader, (leader + 1) % etcd_cluster.size]

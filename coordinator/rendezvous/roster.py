@@ -2,9 +2,9 @@
 
 It also carries the round's secret, with which members prove to each other that
 they are the job's (`handshake`). The secret is stored with the roster in etcd
-(`to_etcd`), under the job's keys, and nowhere else: `model_dump` and
-`model_dump_json`, which the worker's events and any printout use, leave it out,
-and so does the repr.
+(`packed`; `to_etcd` is the same as plain JSON), under the job's keys, and
+nowhere else: `model_dump` and `model_dump_json`, which the worker's events and
+any printout use, leave it out, and so does the repr.
 
 Every member reads the whole roster, so its size is paid N times. In etcd it is
 packed (`packed`): one column per field, as JSON, zlib-compressed, behind a magic
