@@ -78,6 +78,11 @@ def _ddp_rank(rank: int, port: int, data: str, epochs: int, batch: int, out: Any
         optimiser.step()
     out.put((began, time.time(), epochs * len(y)))
     dist.destroy_process_group()
+    # gloo's threads race the interpreter's shutdown, as in the server below.
+    out.close()
+    out.join_thread()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _server(

@@ -25,7 +25,8 @@ from coordinator.etcd.server import EtcdServerError, find_etcd_binary, free_port
 
 
 class CuttableProxy:
-    """A TCP proxy on loopback whose connections can all be cut, and refused, at will."""
+    """A TCP proxy on loopback whose connections can all be cut, and refused, at will, or
+    frozen: kept open with nothing passing either way (a half-open partition)."""
 
     def __init__(self, target: str) -> None:
         host, _, port = target.rpartition(":")
@@ -34,6 +35,8 @@ class CuttableProxy:
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.open = threading.Event()
         self.open.set()
+        self.flowing = threading.Event()
+        self.flowing.set()
         self.sockets: list[socket.socket] = []
         self.lock = threading.Lock()
         self.closed = False
@@ -59,10 +62,10 @@ class CuttableProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                self.flowing.wait()
                 sink.sendall(data)
         except OSError:
             pass
@@ -80,9 +83,17 @@ class CuttableProxy:
     def restore(self) -> None:
         self.open.set()
 
+    def freeze(self) -> None:
+        """Pass nothing, close nothing: the peers learn of it only by their own timeouts."""
+        self.flowing.clear()
+
+    def thaw(self) -> None:
+        self.flowing.set()
+
     def close(self) -> None:
         self.closed = True
         self.cut()
+        self.flowing.set()  # (a pipe held by the freeze ends on its hung-up sockets)
         self.listener.close()
 
 

@@ -304,3 +304,35 @@ def test_quorum_lost_for_20_seconds_is_waited_out_with_a_longer_ttl(
     succeed(workers)
     assert stalled.wait_exit(STARTUP) == 0, stalled.stderr[-5:]
     assert_nothing_left(etcd_cluster, admin, [*workers, stalled], lambda key: False, TTL + 2)
+
+
+@pytest.mark.slow
+def test_a_watch_on_a_silent_connection_resumes_on_another_member(
+    etcd_cluster: EtcdCluster, admin: Etcd
+) -> None:
+    """A partition that closes nothing (a frozen link, not a killed process): the watch's
+    connection is found dead by its unanswered ping, and the watch resumes elsewhere."""
+    link = etcd_cluster.link()
+    interval = 6.0  # etcd refuses pings closer than 5 s apart
+    watcher = Etcd(link.endpoints, namespace=admin.namespace, security=EtcdSecurity(),
+                   ping_interval=interval, retry_window=60)  # fmt: skip
+    try:
+        seen: list[str] = []
+        watch = watcher.watch(admin.key("silent") + "/", lambda events: seen.extend(
+            e.key for e in events), start_revision=0, prefix=True)  # fmt: skip
+        admin.put(admin.key("silent", "before"), "x")
+        wait_until(lambda: len(seen) == 1, 10, "the watch to see a put")
+        used = [p for p in link.proxies if p.sockets]
+        assert len(used) == 1, "the client holds one connection"
+        used[0].freeze()
+        frozen_at = time.monotonic()
+        admin.put(admin.key("silent", "after"), "x")
+        # A ping unanswered for PING_TIMEOUT, then a watch registration that times out on
+        # the same silent member (the client's timeout), then the next member.
+        bound = interval + 5 + watcher.timeout + 10
+        wait_until(lambda: len(seen) == 2, bound, "the watch to resume past the frozen link")
+        print(f"watch resumed {time.monotonic() - frozen_at:.1f}s after the freeze")
+        watch.cancel()
+    finally:
+        watcher.close()
+        link.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -217,3 +220,47 @@ def test_embedded_etcd_removes_its_own_data_dir() -> None:
         import os
 
         os.kill(pid, 0)
+
+
+CALL_AFTER_MOVE = """
+import sys
+from pyetcd import etcdrpc
+from coordinator.etcd.client import Etcd
+etcd = Etcd(sys.argv[1:])  # the same member twice: a move changes the connection only
+kv, watcher = etcd._kv(), etcd._watcher()
+etcd._rotate(etcd._generation)  # as another thread failing over would
+kv.Range(etcdrpc.RangeRequest(key=b"/x"), timeout=5)  # took the old one just before
+watcher.add_callback(b"/x", lambda response: None)
+etcd.close()
+kv.Range(etcdrpc.RangeRequest(key=b"/x"), timeout=5)
+print("alive")
+"""
+
+
+def test_a_call_on_the_connection_a_client_just_left_still_runs(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    """gRPC kills the process (SIGSEGV) when a call starts through a closed authenticating
+    channel: a connection the client moved away from, or closed, stays open a while."""
+    assert etcd_server.security.authenticates
+    env = dict(os.environ)
+    etcd_server.security.export(env)
+    done = subprocess.run(
+        [sys.executable, "-c", CALL_AFTER_MOVE, etcd_server.endpoint, etcd_server.endpoint],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and "alive" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_closed_clients_watches_end_with_it(etcd_server: EmbeddedEtcd) -> None:
+    """A watch still open when its client closes must not try to resume for ever (it
+    would spin a core on 'client is closed')."""
+    client = Etcd(etcd_server.endpoint, security=etcd_server.security)
+    client.watch(client.key("closing"), lambda events: None, start_revision=0)
+    stream = client._watcher()._callback_thread
+    assert stream is not None and stream.is_alive()
+    client.close()
+    stream.join(10)
+    assert not stream.is_alive(), "the watch stream ends with its client"
+    # (its end was told to the watch before the thread ended: a resume would be running)
+    assert not [t for t in threading.enumerate() if t.name == "etcd-watch-resume"]

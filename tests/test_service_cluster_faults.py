@@ -437,7 +437,8 @@ def test_quorum_lost_then_restored_answers_503_meanwhile_and_every_job_ends_cons
         assert ready.status_code == 503
         answers.append((submitted - began, time.monotonic() - submitted))
     assert answers
-    assert all(submit < 20 and ready < 20 for submit, ready in answers), answers
+    assert all(submit < 20 for submit, _ in answers), answers
+    assert all(ready < 3 for _, ready in answers), answers  # a bounded probe: 1 s of retries
     print("quorum lost: 503 after (submit, readyz)", [f"{a:.1f}s, {b:.1f}s" for a, b in answers])
     for index in lost:
         cluster.restart(index, wait=False)

@@ -51,6 +51,15 @@ _TRANSIENT = {
 #: election timeouts), instead of letting it stall where nothing will ever commit.
 REQUIRE_LEADER = (("hasleader", "true"),)
 
+#: Seconds between pings on an idle connection, and how long a ping may go unanswered.
+PING_SECONDS = 10.0
+PING_TIMEOUT = 5.0
+
+#: Seconds a connection stays open after the client moved away from it (or closed): a
+#: call that took it just before must still find it open, since gRPC kills the process
+#: (SIGSEGV) when a call starts through an authenticating channel that is closed.
+RETIRE_SECONDS = 10.0
+
 #: Attempts of a request that run out of `attempt_timeout` before its deadline grows.
 SHORT_ATTEMPTS = 3
 
@@ -489,7 +498,7 @@ class Watch:
 
     def _on_broken(self, error: Exception | None) -> None:
         with self._lock:
-            if self._closed:
+            if self._closed or self._etcd.closed:
                 return
         log.debug(
             "watch on %s broke (%s); resuming at revision %d", self._key, error, self._next_revision
@@ -499,7 +508,7 @@ class Watch:
     def _resume(self) -> None:
         while True:
             with self._lock:
-                if self._closed:
+                if self._closed or self._etcd.closed:  # (a closed client's watches end)
                     return
             try:
                 self._register()
@@ -515,6 +524,42 @@ class Watch:
             # The stream may already be gone, with nothing left to cancel.
             with contextlib.suppress(Exception):
                 self._etcd._watcher().cancel(watch_id)
+
+
+class _Watcher(Watcher):
+    """The library's watch stream, ended at once when the client moves away from its
+    connection (`close` cancels the stream: the connection itself stays open a while, see
+    RETIRE_SECONDS), and quiet when a stream starts on a closed connection (ValueError in
+    the library's thread, where gRPC errors are caught). Either way the library has told
+    the callbacks the stream ended, so the watches resume on the next member."""
+
+    def __init__(self, stub: etcdrpc.WatchStub, timeout: float, metadata: Any) -> None:
+        super().__init__(_RecordingStub(stub, self), timeout=timeout, metadata=metadata)
+        self.stream: grpc.Future | None = None  # the stream running now
+
+    def _run(self) -> None:
+        try:
+            super()._run()  # type: ignore[misc]
+        except ValueError as exc:
+            log.debug("watch stream on a closed connection: %s", exc)
+
+    def close(self) -> None:
+        super().close()  # type: ignore[misc]
+        stream = self.stream
+        if stream is not None:
+            stream.cancel()
+
+
+class _RecordingStub:
+    """A watch stub that hands each stream it opens to its watcher (to cancel it)."""
+
+    def __init__(self, stub: etcdrpc.WatchStub, watcher: _Watcher) -> None:
+        self._stub, self._watcher = stub, watcher
+
+    def Watch(self, *args: Any, **kwargs: Any) -> Any:  # (the stub method's name)
+        stream = self._stub.Watch(*args, **kwargs)
+        self._watcher.stream = stream
+        return stream
 
 
 class Etcd:
@@ -535,11 +580,13 @@ class Etcd:
         security: EtcdSecurity | None = None,
         probe: str = "",
         attempt_timeout: float = 0.75,
+        ping_interval: float = PING_SECONDS,
     ) -> None:
         """`probe`: the part of the namespace this client must read and write, checked on
         connecting (`jobs/<id>/` for a member, whose user may touch only its job; empty:
         the whole namespace). `attempt_timeout`: the deadline of a request's first
-        attempts (see `_call`), below etcd's default election timeout of 1 s."""
+        attempts (see `_call`), below etcd's default election timeout of 1 s.
+        `ping_interval`: seconds between HTTP/2 pings on the connection (see `_current`)."""
         parsed = parse_endpoints(endpoints)
         self.security = EtcdSecurity.from_env() if security is None else security
         self.security.check_endpoints(parsed)
@@ -551,6 +598,7 @@ class Etcd:
         self.timeout = timeout
         self.attempt_timeout = min(attempt_timeout, timeout)
         self.retry_window = connect_timeout if retry_window is None else retry_window
+        self.ping_interval = ping_interval
         self._credentials = self._tls_credentials() if self.secure else None
         self._auth = TokenAuth(self.security, timeout) if self.security.authenticates else None
         self._lock = threading.Lock()
@@ -559,7 +607,7 @@ class Etcd:
         self._index = random.randrange(len(self.endpoints))
         self._generation = 0  # of the connection: bumped at every move to another endpoint
         self._channel: grpc.Channel | None = None
-        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher, etcdrpc.AuthStub] | None = (
+        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, _Watcher, etcdrpc.AuthStub] | None = (
             None
         )
         self._closed = False
@@ -572,6 +620,10 @@ class Etcd:
     def urls(self) -> list[str]:
         """The endpoints as members must be given them (`https://` kept)."""
         return [f"https://{e}" if self.secure else e for e in self.endpoints]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _tls_credentials(self) -> grpc.ChannelCredentials:
         files = {}
@@ -619,7 +671,7 @@ class Etcd:
                 f"{connect_timeout:g}s: {exc.reason}"
             ) from exc.__cause__
 
-    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, Watcher, etcdrpc.AuthStub]:
+    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, _Watcher, etcdrpc.AuthStub]:
         with self._lock:
             if self._closed:
                 raise EtcdError("etcd client is closed")
@@ -633,6 +685,18 @@ class Etcd:
                     # of a minute a client would stay away long after etcd came back.
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 2000),
+                    # A watch stream has no deadline: on a connection that went silent
+                    # without closing (a partition, not a dead process) it would wait
+                    # until TCP gives up, many minutes. A ping unanswered within
+                    # `PING_TIMEOUT` closes the connection, and the watch resumes
+                    # on the next member. (etcd refuses pings closer than 5 s apart.)
+                    ("grpc.keepalive_time_ms", int(self.ping_interval * 1000)),
+                    ("grpc.keepalive_timeout_ms", int(PING_TIMEOUT * 1000)),
+                    ("grpc.http2.ping_timeout_ms", int(PING_TIMEOUT * 1000)),
+                    ("grpc.http2.max_pings_without_data", 0),
+                    # (gRPC's bandwidth probe is a ping too: one unanswered holds back
+                    # every keepalive ping, so the silence would never be found.)
+                    ("grpc.http2.bdp_probe", 0),
                 ]
                 if self._credentials is not None:
                     self._channel = grpc.secure_channel(target, self._credentials, options=options)
@@ -645,7 +709,7 @@ class Etcd:
                 self._stubs = (
                     etcdrpc.KVStub(channel),
                     etcdrpc.LeaseStub(channel),
-                    Watcher(
+                    _Watcher(
                         etcdrpc.WatchStub(channel), timeout=self.timeout, metadata=REQUIRE_LEADER
                     ),
                     etcdrpc.AuthStub(channel),
@@ -658,7 +722,7 @@ class Etcd:
     def _lease(self) -> etcdrpc.LeaseStub:
         return self._current()[1]
 
-    def _watcher(self) -> Watcher:
+    def _watcher(self) -> _Watcher:
         return self._current()[2]
 
     def auth_api(self, method: str, request: Any) -> Any:
@@ -689,9 +753,9 @@ class Etcd:
             old_channel, old_stubs = self._channel, self._stubs
             self._channel, self._stubs = None, None
         if old_stubs is not None:
-            old_stubs[2].close()
+            old_stubs[2].close()  # its watches resume on the next member
         if old_channel is not None:
-            old_channel.close()
+            _retire(old_channel)
 
     def _call(self, request: Callable[[CallOptions], T], window: float | None = None) -> T:
         """Send one request, retrying transient failures for `window` seconds.
@@ -813,7 +877,7 @@ class Etcd:
         if stubs is not None:
             stubs[2].close()
         if channel is not None:
-            channel.close()
+            _retire(channel)
 
     def __enter__(self) -> Etcd:
         return self
@@ -827,9 +891,10 @@ class Etcd:
         """A key under the namespace: `key("jobs", "j1")` -> `/coordinator/jobs/j1`."""
         return "/".join([self.namespace, *map(str, parts)])
 
-    def get(self, key: str) -> KeyValue | None:
+    def get(self, key: str, window: float | None = None) -> KeyValue | None:
+        """The key, or None; `window` bounds the retries (a probe that must answer soon)."""
         request = etcdrpc.RangeRequest(key=key.encode())
-        response = self._call(lambda o: self._kv().Range(request, **o))
+        response = self._call(lambda o: self._kv().Range(request, **o), window=window)
         return _kv(response.kvs[0]) if response.kvs else None
 
     def get_prefix(self, prefix: str, keys_only: bool = False) -> tuple[list[KeyValue], int]:
@@ -1108,6 +1173,33 @@ class Etcd:
         """Deliver changes of `key` (or every key under it) from `start_revision` on
         (`known_keys`: see `Watch`)."""
         return Watch(self, key, callback, start_revision, prefix, only_deletes, prev_kv, known_keys)
+
+
+_retired: list[tuple[float, grpc.Channel]] = []  # (when to close, connection), in order
+_retired_ready = threading.Condition()
+
+
+def _retire(channel: grpc.Channel) -> None:
+    """Close the connection once no call can still be starting on it (RETIRE_SECONDS),
+    from one thread per process."""
+    with _retired_ready:
+        if not _retired:
+            threading.Thread(target=_close_retired, daemon=True, name="etcd-retire").start()
+        _retired.append((time.monotonic() + RETIRE_SECONDS, channel))
+        _retired_ready.notify()
+
+
+def _close_retired() -> None:
+    while True:
+        with _retired_ready:
+            if not _retired:
+                return  # (a new one starts with the next retirement)
+            due, channel = _retired[0]
+            if time.monotonic() < due:
+                _retired_ready.wait(due - time.monotonic())
+                continue
+            _retired.pop(0)
+        channel.close()
 
 
 def _unchanged(key: str, mod_revision: int) -> etcdrpc.Compare:
