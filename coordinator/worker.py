@@ -22,6 +22,13 @@ from typing import Any
 from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
 from coordinator.etcd.names import check_name
 from coordinator.events import Done, Failed, Phase, RosterView, TimelineEntry, emit
+from coordinator.exit_codes import (
+    EXIT_ERROR,
+    EXIT_ETCD_UNAVAILABLE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+)
 from coordinator.jobs import MEMBER_KINDS, make_job
 from coordinator.rendezvous.errors import (
     JobFull,
@@ -34,12 +41,6 @@ from coordinator.rendezvous.errors import (
 )
 from coordinator.rendezvous.member import Member
 from coordinator.rendezvous.roster import check_world_size
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_ETCD_UNAVAILABLE = 3
-EXIT_INTERRUPTED = 130
 
 #: Exit code -> meaning; part of the CLI's interface (the README lists it).
 EXIT_CODES: dict[int, str] = {

@@ -23,6 +23,7 @@ from coordinator.cli.options import (
     etcd_security,
     parse_labels,
 )
+from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 
 
 def agent(
@@ -104,7 +105,7 @@ def agent(
         )
     except EtcdError as exc:
         console.print(f"[red]cannot reach etcd: {exc}[/red]")
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
     try:
         running = Agent(client, options)
     except AgentTaken as exc:

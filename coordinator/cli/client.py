@@ -36,6 +36,7 @@ from coordinator.cli.options import (
     parse_param_option,
     program_after_dashes,
 )
+from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 
 out = Console()
 err = Console(stderr=True)
@@ -66,7 +67,7 @@ class Api:
             response = self.client.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             err.print(f"[red]cannot reach {self.client.base_url}: {exc}[/red]")
-            raise typer.Exit(3) from None
+            raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
         if response.status_code >= 400:
             _refused(response)
         return response
@@ -97,7 +98,7 @@ class Api:
             except (httpx.TransportError, SSEError) as exc:
                 if attempt == RECONNECTS:
                     err.print(f"[red]the events stream kept breaking: {exc}[/red]")
-                    raise typer.Exit(3) from None
+                    raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
                 time.sleep(min(0.2 * 2**attempt, 5.0))  # back off before resuming
 
 
@@ -340,7 +341,7 @@ def logs(
                 out.out(text, end="", highlight=False)
     except httpx.TransportError as exc:
         err.print(f"[red]cannot reach {server}: {exc}[/red]")
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
 
 
 def cancel(

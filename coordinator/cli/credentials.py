@@ -32,6 +32,7 @@ from coordinator.etcd.users import (
     revoke_agent,
     write_password_file,
 )
+from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 
 app = typer.Typer(
     help="etcd users of least privilege (for agents); made with etcd's root user.",
@@ -74,17 +75,17 @@ def _root(
         client = Etcd(endpoint, namespace=namespace, security=security)
     except EtcdError as exc:
         console.print(f"[red]cannot reach etcd: {exc}[/red]")
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
     try:
         yield client
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="ID") from None
     except CannotManageUsers as exc:
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
     except EtcdError as exc:
         console.print(f"[red]etcd refused: {exc}[/red]")
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
     finally:
         client.close()
 

@@ -290,7 +290,6 @@ def run(
                     )
             except KeyboardInterrupt:
                 console.print("[yellow]interrupted: stopping workers[/yellow]")
-                launcher.stop()
                 raise typer.Exit(EXIT_INTERRUPTED) from None
             finally:
                 launcher.stop()

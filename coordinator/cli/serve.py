@@ -19,6 +19,7 @@ from coordinator.cli.options import (
     console,
     etcd_security,
 )
+from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 from coordinator.launch import parse_gpus
 from coordinator.rendezvous.address import is_loopback
 from coordinator.service.model import Launcher
@@ -258,7 +259,7 @@ def serve(
         if embedded is not None:
             embedded.stop()
         console.print(f"[red]cannot reach etcd: {exc}[/red]")
-        raise typer.Exit(3) from None
+        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
     except LauncherUnavailable as exc:  # e.g. a loopback --k8s-etcd, no cluster configured
         if embedded is not None:
             embedded.stop()

@@ -29,6 +29,7 @@ from coordinator.etcd.client import Etcd, EtcdError
 from coordinator.etcd.names import check_name
 from coordinator.etcd.security import EtcdSecurity, SecurityError
 from coordinator.etcd.users import ROOT, enable_auth, provision_agent, provision_job
+from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 
 #: A password shorter than this is no password a generator made.
 MIN_PASSWORD = 16
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         users = initialise(connect, root_password, agents, jobs)
     except EtcdError as exc:
         print(f"etcd init: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_ETCD_UNAVAILABLE
     print(f"etcd init: auth on; users: {', '.join(users) or 'none'}")
     return 0
 

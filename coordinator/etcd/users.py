@@ -11,7 +11,6 @@ through etcd's Auth API (`Etcd.auth_api`), as a user with the root role.
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from pyetcd import etcdrpc
 
 from coordinator.etcd.client import Etcd, EtcdError, EtcdRefused, prefix_end
 from coordinator.etcd.names import check_name
+from coordinator.files import write_private
 
 ROOT = "root"  # etcd's own name for the user (and role) that may do anything
 
@@ -95,12 +95,7 @@ def write_password_file(path: Path, password: str) -> Path:
     """Write `password` to a file only its owner may read; a missing directory is made
     for its owner alone (an existing one keeps its mode: it may be the caller's own)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        os.fchmod(file.fileno(), 0o600)  # an older file's mode, or a loose umask
-        file.write(password + "\n")
-    partial.replace(path)
+    write_private(path, password + "\n")
     return path
 
 

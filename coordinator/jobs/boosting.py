@@ -37,6 +37,7 @@ from xgboost.tracker import RabitTracker
 
 from coordinator.datasets import DataSource, Layout, Shard, check_shards, load_shard, parse_source
 from coordinator.events import Round, emit
+from coordinator.files import replacing
 from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.rendezvous.errors import MemberLost
@@ -270,9 +271,8 @@ class XGBoostJob:
         folder = self.options.artifacts / member.job_id
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"model.{self.options.model_format}"
-        partial = folder / f".partial.{self.options.model_format}"  # XGBoost reads the suffix
-        booster.save_model(partial)
-        partial.replace(path)  # never a half-written model under the final name
+        with replacing(path, suffix=f".{self.options.model_format}") as partial:
+            booster.save_model(partial)  # (XGBoost picks the format from the suffix)
         return path
 
     def close(self) -> None:

@@ -54,6 +54,7 @@ from coordinator.datasets.mnist import (
 )
 from coordinator.datasets.shards import plan
 from coordinator.events import Metrics, Step, emit
+from coordinator.files import replacing
 from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
@@ -519,9 +520,8 @@ class MnistJob:
         )
         final = evaluator.final
         path = folder / "model.pt"
-        partial = folder / ".model.pt.partial"
-        torch.save(evaluator.model.state_dict(), partial)
-        partial.replace(path)  # never a half-written model under the final name
+        with replacing(path) as partial:
+            torch.save(evaluator.model.state_dict(), partial)
         seconds = max(ended - began, 1e-9)
         summary = {
             "job": member.job_id,
@@ -546,9 +546,8 @@ class MnistJob:
             "step_times_path": str(step_times),
         }
         summary_path = folder / "summary.json"
-        partial_summary = folder / ".summary.json.partial"
-        partial_summary.write_text(json.dumps(summary, indent=2))
-        partial_summary.replace(summary_path)
+        with replacing(summary_path) as partial:
+            partial.write_text(json.dumps(summary, indent=2))
         member.etcd.put(f"{member.keys.job}mnist/summary", json.dumps(summary))
         return {
             "model_path": str(path),
@@ -571,9 +570,8 @@ class MnistJob:
                 raise ValueError(f"step times under {kv.key!r} are not a trainer's list")
             lines += [f"{trainer},{step},{value:.6f}" for step, value in
                       enumerate(seconds, start=1)]  # fmt: skip
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text("\n".join(lines) + "\n")
-        partial.replace(path)
+        with replacing(path) as partial:
+            partial.write_text("\n".join(lines) + "\n")
         return path
 
     def _samples(self, trainer: int, clock: int) -> int:

@@ -20,6 +20,7 @@ reserved port.
 from __future__ import annotations
 
 import csv
+import io
 import os
 import socket
 import time
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from coordinator.files import write_private
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, server_tensors
 from coordinator.ps.optim import OptimizerSpec
@@ -165,19 +167,15 @@ class Server:
         """The staleness log as CSV (trainer ranks = index + `rank_offset`), written whole
         under a temporary name first, private to its owner."""
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        partial = path.with_name(f".{path.name}.partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w", newline="") as handle:
-            writer = csv.writer(handle)
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        writer.writerow(["trainer_rank", "clock", "computed_from", "applied_at", "staleness", "t"])
+        for row in self.core.log:
             writer.writerow(
-                ["trainer_rank", "clock", "computed_from", "applied_at", "staleness", "t"]
-            )
-            for row in self.core.log:
-                writer.writerow(
-                    [row.trainer + rank_offset, row.clock, row.computed_from,
-                     row.applied_at, row.staleness, f"{row.t:.6f}"]
-                )  # fmt: skip
-        partial.replace(path)
+                [row.trainer + rank_offset, row.clock, row.computed_from,
+                 row.applied_at, row.staleness, f"{row.t:.6f}"]
+            )  # fmt: skip
+        write_private(path, text.getvalue())
 
     def close(self, grace: float = 5.0) -> None:
         """Stop serving: waiting pulls and aggregate steps end; the endpoint closes, and

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.files import replacing
 from coordinator.ps import wire
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
@@ -381,9 +382,8 @@ class ParameterServer:
             "layout": self.digest,
         }
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.checkpoint.with_name(f".{self.checkpoint.name}.partial")
-        torch.save(state, partial)
-        partial.replace(self.checkpoint)  # never a half-written checkpoint under the name
+        with replacing(self.checkpoint) as partial:
+            torch.save(state, partial)
 
     def save_checkpoint(self) -> None:
         with self.changed:

@@ -89,10 +89,6 @@ class Roster(BaseModel):
     def leader(self) -> MemberAddress:
         return self.members[0]
 
-    def address_of(self, rank: int) -> str:
-        member = self.members[rank]
-        return f"{member.host}:{member.port}"
-
     def key_for(self, member: MemberAddress) -> HandshakeKey:
         """The handshake key of connections to `member`'s endpoint in this round."""
         return key_for(bytes.fromhex(self.secret), self.job_id, self.round, member.member_id)

@@ -12,7 +12,6 @@ they lead to the root password.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import psutil
@@ -20,6 +19,7 @@ import psutil
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.users import ROOT
+from coordinator.files import write_private
 
 
 class ServiceEtcd:
@@ -43,12 +43,7 @@ class ServiceEtcd:
             "user": ROOT,
             "password_file": str(self.server.password_file.absolute()),
         }
-        partial = self.state.with_suffix(".partial")
-        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            os.fchmod(file.fileno(), 0o600)
-            file.write(json.dumps(record))
-        partial.replace(self.state)
+        write_private(self.state, json.dumps(record))
 
     def _running(self) -> tuple[str, EtcdSecurity] | None:
         """The endpoint and root settings of the etcd the record names, if it still runs."""

@@ -6,7 +6,8 @@ chart needs, so nothing more is stored for it:
 - `round` (xgboost): the evaluation metrics after each boosting round;
 - `metrics` (mnist, the first server): test accuracy and loss, `t` seconds
   after training began;
-- `step` (mnist trainers, at most every 0.5 s): a trainer's clock and loss;
+- `step` (mnist trainers and steps members, at most every 0.5 s): a member's clock
+  and loss (`null` for a steps job, which trains nothing);
 - `done` (every member): a trainer's result holds the staleness of the
   weights it trained on (versions behind -> steps).
 

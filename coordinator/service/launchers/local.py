@@ -31,6 +31,7 @@ import psutil
 
 from coordinator.etcd.users import Credentials, write_password_file
 from coordinator.events import Done, Failed, parse_event
+from coordinator.files import write_private
 from coordinator.launch import WorkerCommand
 from coordinator.launch.local import start_process
 from coordinator.service.launchers import (
@@ -148,9 +149,7 @@ class LocalLauncher:
             )
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
-        partial = pidfile.with_suffix(".partial")
-        partial.write_text(json.dumps({**identity, "gpus": list(command.gpus)}))
-        partial.replace(pidfile)
+        write_private(pidfile, json.dumps({**identity, "gpus": list(command.gpus)}))
         return Member(index=index, log=str(log), **identity)
 
     def exit_code(self, member: Member) -> int | None:
