@@ -306,7 +306,9 @@ def test_cancel_stops_the_members_within_the_grace_and_leaves_no_keys(
     assert etcd.count_prefix(etcd.key("jobs", "long", "rendezvous") + "/") == 0
     assert record["conditions"][-1]["reason"] == "cancelled by request"
     assert list(service.data.glob("logs/long-*/attempt-1/member-*.log"))
+    etcd.put(etcd.key("jobs", "long", "left", "by-a-member"), "x")  # e.g. a trainer's clock
     assert service.http.delete("/v1/jobs/long").status_code == 204
+    assert etcd.count_prefix(etcd.key("jobs", "long") + "/") == 0  # every key it left
     assert service.http.get("/v1/jobs/long").status_code == 404
     assert not list(service.data.glob("logs/long-*"))  # its logs are gone with it
 
@@ -416,6 +418,14 @@ def test_tokens_are_required_and_roles_enforced(
     assert service.http.get("/v1/jobs", headers=as_(READ_TOKEN)).status_code == 200
     assert service.http.post("/v1/jobs", json=spec, headers=as_(READ_TOKEN)).status_code == 403
     assert service.http.post("/v1/jobs", json=spec, headers=as_(SUBMIT_TOKEN)).status_code == 201
+    # The page's /v1/whoami says the role the API grants: one parse of the header for both.
+    odd = {"Authorization": f"bearer  {READ_TOKEN}"}  # another case, a second space
+    assert service.http.get("/v1/jobs", headers=odd).status_code == 200
+    roles = [(odd, "read"), (as_(SUBMIT_TOKEN), "submit"), (as_(None), "none"),
+             (as_("wrong-token-0123456789"), "none")]  # fmt: skip
+    for headers, role in roles:
+        whoami = service.http.get("/v1/whoami", headers=headers).json()
+        assert whoami == {"role": role, "auth": True}, headers
 
 
 def test_without_tokens_the_service_refuses_to_listen_beyond_loopback(tmp_path: Path) -> None:

@@ -18,8 +18,9 @@ from fastapi import FastAPI
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.security import EtcdSecurity
-from coordinator.service.api import ApiContext, create_app
+from coordinator.service.api import create_app
 from coordinator.service.auth import Tokens
+from coordinator.service.context import ApiContext
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
 from coordinator.service.launchers.agents import AgentsLauncher

@@ -2,7 +2,8 @@
 
 Each record is one key, `<ns>/api/jobs/<id>`, holding the `JobRecord` JSON.
 The key's create revision is the job's place in the queue; its mod revision
-is what a change must still find, so two replicas never both move a job.
+is what a change must still find, so two replicas never both move a job. Deleting a
+record also deletes what its job's members left under `<ns>/jobs/<id>/`.
 
 Nothing read from etcd is trusted: every record is validated (strictly, with
 the API's own models, and its id must be its key's) before anything uses it. A
@@ -172,10 +173,13 @@ class JobStore:
         raise RuntimeError(f"job {job_id}: {MAX_CAS_TRIES} writers raced for the record")
 
     def delete(self, stored: Stored) -> bool:
-        """Delete the record if it is still as read; False when it changed meanwhile."""
-        deleted, revision = self.etcd.delete_if(self.key(stored.record.id), stored.mod_revision)
+        """Delete the record if it is still as read, then every key the job's members left
+        (`<ns>/jobs/<id>/`); False when the record changed meanwhile (nothing is deleted)."""
+        job_id = stored.record.id
+        deleted, revision = self.etcd.delete_if(self.key(job_id), stored.mod_revision)
         if deleted:
-            self._forget(stored.record.id, revision)
+            self._forget(job_id, revision)
+            self.etcd.delete_prefix(self.etcd.key("jobs", job_id) + "/")
         return deleted
 
     # -- reads ------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""`POST /v1/simulate`: the step-barrier simulator, for the dashboard's simulator view.
+
+A request is priced before it runs and refused (422, naming the fields) above its
+step budget; an accepted one runs in a process of its own (`simulation.Runner`,
+the context's `simulator`), never in the service's threads, which the other
+endpoints need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from pydantic import BaseModel, Field
+
+from coordinator.service import simulation
+from coordinator.service.boundary import GONE_KEY
+from coordinator.service.context import API, Context, invalid, invalid_fields, submitter
+from coordinator.simulator.spec import parse_barriers
+
+router = APIRouter()
+
+
+class SimulationRequest(BaseModel):
+    """A simulator run: its size is priced before it starts (see `simulation`)."""
+
+    barrier: Annotated[str, Field(max_length=200, description="methods, e.g. bsp,ssp:2,asp")] = (
+        "bsp,ssp:2,asp"
+    )
+    workers: Annotated[int, Field(ge=1, le=10_000)] = 100
+    seconds: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 100.0
+    delay: Annotated[
+        str,
+        Field(
+            max_length=200,
+            description="exp:SHIFT,MEAN | gamma:SHAPE,SCALE | straggler:FRACTION,FACTOR[,BASE]"
+            " (no trace: that reads a server file; `coordinator simulate` takes it)",
+        ),
+    ] = "exp:1,1"
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+
+
+class SimulatedMethod(BaseModel):
+    label: str
+    summary: dict[str, float | int | str]
+    final_steps: list[int]  # sorted: the CDF's x values
+
+
+class Simulation(BaseModel):
+    methods: list[SimulatedMethod]
+
+
+@router.post(
+    f"{API}/simulate",
+    dependencies=submitter,
+    responses={
+        400: {"description": "the body is not JSON"},
+        422: {},
+        429: {"description": "the simulator is busy: try again later"},
+        504: {"description": "the simulation took too long"},
+    },
+)
+async def simulate(request: SimulationRequest, http: Request, context: Context) -> Simulation:
+    """Run the simulator (no etcd, virtual workers) for each method asked for, in a
+    process of its own; refused (422) above its step budget."""
+    try:
+        specs = parse_barriers(request.barrier, None, None, None)
+    except ValueError as exc:
+        raise invalid(["barrier"], str(exc)) from None
+    try:
+        model = simulation.parse_api_delay(request.delay)
+    except ValueError as exc:
+        raise invalid(["delay"], str(exc)) from None
+    try:
+        simulation.check_affordable(request.workers, request.seconds, len(specs), model)
+        result = await context.simulator.run(
+            simulation.simulate_methods, request.model_dump(), _client_gone(http)
+        )
+    except simulation.Unaffordable as exc:
+        raise invalid_fields(exc.fields, str(exc)) from None
+    except simulation.Busy as exc:
+        raise HTTPException(429, str(exc), {"Retry-After": "5"}) from None
+    except simulation.TimedOut as exc:
+        raise HTTPException(504, str(exc)) from None
+    except simulation.Abandoned:
+        return Response(status_code=499)  # type: ignore[return-value]  # nobody reads it
+    except ValueError as exc:
+        field = "delay" if "delay" in str(exc).lower() else "barrier"
+        raise invalid([field], str(exc)) from None
+    return Simulation.model_validate(result)
+
+
+def _client_gone(request: Request) -> Callable[[], Awaitable[bool]]:
+    """Whether the request's client has left (as `Boundary` saw it)."""
+    gone = request.scope.get(GONE_KEY)
+
+    async def check() -> bool:
+        return gone.is_set() if gone is not None else await request.is_disconnected()
+
+    return check
