@@ -62,7 +62,10 @@ def test_a_job_user_is_named_after_its_prefix_and_granted_only_it() -> None:
         ("/ns/agents/host-a", False),
         ("/ns/assignments/host-a/", True),
         ("/ns/reports/host-a/", True),
+        ("/ns/placements/", True),
     }
+    (commits,) = [g for g in agent_grants("/ns", "host-a") if g.key == "/ns/placements/"]
+    assert commits.permission == "read"
     with pytest.raises(ValueError, match="job id"):
         job_user("/ns", "../api")
 
@@ -117,6 +120,7 @@ def test_an_agents_credentials_reach_only_its_own_keys(
 ) -> None:
     credentials = provision_agent(etcd, "host-a")
     etcd.put(etcd.key("assignments", "host-a", "m"), "for it")
+    etcd.put(etcd.key("placements", "j-0a1b2c3d-a1-0123456789abcdef"), "{}")
     with _as(
         etcd_server.endpoint, etcd.namespace, credentials, tmp_path, "assignments/host-a/"
     ) as agent:
@@ -131,6 +135,11 @@ def test_an_agents_credentials_reach_only_its_own_keys(
         _refused(lambda: agent.put(agent.key("api", "jobs", "evil"), "{}"))
         _refused(lambda: agent.put(agent.key("jobs", "j", "x"), "{}"))
         _refused(lambda: agent.get(agent.key("api", "credentials", "j")))
+        # The placements' commits: read (a big placement's members wait for theirs), never
+        # written, so an agent cannot start a placement nobody committed.
+        assert agent.get(agent.key("placements", "j-0a1b2c3d-a1-0123456789abcdef")) is not None
+        _refused(lambda: agent.put(agent.key("placements", "j-0a1b2c3d-a1-fedcba9876543210"), "{}"))
+        _refused(lambda: agent.delete(agent.key("placements", "j-0a1b2c3d-a1-0123456789abcdef")))
 
 
 # -- assignments the agent refuses (pure) -------------------------------------------------------
@@ -171,6 +180,10 @@ def _check(assignment: dict[str, Any], data_dir: Path) -> Assignment:
         ({"credentials": {"user": "/ns/jobs/j2", "password": "p" * 43}}, "credentials"),
         ({"stop": "SIGSTOP"}, "stop"),
         ({"command": "sh"}, "command"),
+        ({"placement": "../../api/jobs/x"}, "placement"),
+        ({"placement": "j1-0a1b2c3d-a1-0123456789ABCDEF"}, "placement"),
+        ({"placement": "j1-0a1b2c3d-a2-0123456789abcdef"}, "not of this run and attempt"),
+        ({"placement": "j2-0a1b2c3d-a1-0123456789abcdef"}, "not of this run and attempt"),
     ],
 )
 def test_an_assignment_is_checked_field_by_field(
@@ -179,6 +192,11 @@ def test_an_assignment_is_checked_field_by_field(
     assert _check(GOOD, tmp_path).credentials is not None  # the unchanged one passes
     with pytest.raises(ValidationError, match=named):
         _check({**GOOD, **change}, tmp_path)
+
+
+def test_an_assignment_may_name_a_placement_of_its_run_and_attempt(tmp_path: Path) -> None:
+    placement = "j1-0a1b2c3d-a1-0123456789abcdef"
+    assert _check({**GOOD, "placement": placement}, tmp_path).placement == placement
 
 
 def test_a_path_inside_the_agents_data_dir_is_allowed(tmp_path: Path) -> None:
