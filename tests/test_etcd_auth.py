@@ -23,8 +23,9 @@ from typing import Any
 import psutil
 import pytest
 from pydantic import ValidationError
+from pyetcd import etcdrpc
 
-from coordinator.etcd.client import Etcd, EtcdRefused
+from coordinator.etcd.client import Etcd, EtcdRefused, prefix_end
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.users import (
@@ -249,6 +250,61 @@ def test_a_forged_assignment_is_refused_reported_and_never_run(
     assert etcd.count_prefix(etcd.key("assignments", "host-f") + "/") == 0  # all dropped
     assert not list(tmp_path.rglob("member-*"))  # nothing ran: no log, no pidfile
     assert not psutil.Process(agent.process.pid).children(recursive=True)
+
+
+def test_an_agent_as_its_own_user_runs_a_committed_placement_and_one_that_cannot_read_refuses(
+    agents: Any,  # noqa: F811
+    etcd: Etcd,
+    etcd_server: EmbeddedEtcd,
+    tmp_path: Path,
+) -> None:
+    """The read grant is enough: the agent reads and watches the commits as its own user.
+    A user made before that grant (it may not read them) refuses such an assignment,
+    naming why, instead of waiting for ever."""
+    commits = etcd.key("placements") + "/"
+    for agent_id in ("host-r", "host-old"):
+        credentials = provision_agent(etcd, agent_id)
+        if agent_id == "host-old":
+            request = etcdrpc.AuthRoleRevokePermissionRequest(
+                role=credentials.user, key=commits.encode(), range_end=prefix_end(commits)
+            )
+            etcd.auth_api("RoleRevokePermission", request)
+        password = write_password_file(tmp_path / f"{agent_id}.password", credentials.password)
+        agents("--id", agent_id, "--slots", "2", "--etcd-user", credentials.user,
+               "--etcd-password-file", str(password))  # fmt: skip
+        wait_until(lambda a=agent_id: registered(etcd, a), 30, f"{agent_id} to register")
+    member = provision_job(etcd, "wq")
+
+    def assign(agent_id: str, run: str, ahead: bool = True) -> tuple[str, str]:
+        run_id, name = f"wq-{run}", f"wq-{run}-a1-m0"
+        placement = f"{run_id}-a1-0123456789abcdef"
+        body = {
+            "run_id": run_id, "attempt": 1, "index": 0,
+            "worker_args": ["--job", "wq", "--world-size", "1", "--etcd", etcd_server.endpoint,
+                            "--namespace", etcd.namespace],
+            "credentials": {"user": member.user, "password": member.password},
+        }  # fmt: skip
+        if ahead:
+            body["placement"] = placement
+        etcd.put(etcd.key("assignments", agent_id, name), json.dumps(body))
+        return name, placement
+
+    def report(agent_id: str, name: str) -> dict[str, Any] | None:
+        kv = etcd.get(etcd.key("reports", agent_id, name))
+        found = json.loads(kv.value) if kv else None
+        return found if found and found["state"] != "running" else None
+
+    name, placement = assign("host-r", "waits")
+    plain, _ = assign("host-r", "plain", ahead=False)  # handled after the one that waits
+    wait_until(lambda: report("host-r", plain), 60, "the plain member to run")
+    assert etcd.get(etcd.key("reports", "host-r", name)) is None  # it waits
+    etcd.put(etcd.key("placements", placement), "{}")  # seen by the agent's watch
+    done = wait_until(lambda: report("host-r", name), 60, "the committed member to run")
+    assert done["state"] == "exited" and done["exit_code"] == 0
+    name, placement = assign("host-old", "old")
+    etcd.put(etcd.key("placements", placement), "{}")
+    refused = wait_until(lambda: report("host-old", name), 30, "the old agent to refuse")
+    assert refused["state"] == "refused" and "may not read" in refused["reason"], refused
 
 
 # -- per-job users live as long as their job ----------------------------------------------------
