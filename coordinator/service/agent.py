@@ -53,7 +53,6 @@ from coordinator.etcd.client import (
     Etcd,
     EtcdError,
     EtcdRefused,
-    Get,
     Put,
     Watch,
     WatchEvent,
@@ -276,18 +275,18 @@ class Agent:
                 self._handle(member, kv.value)
 
     def _is_committed(self, placement: str) -> bool:
-        """Whether the placement's commit exists; from the first placement waited for
-        on, the commits are watched (a commit comes after its assignments, so after this
-        read, or it is seen by it)."""
+        """Whether the placement's commit exists. The commits are watched from the first
+        placement waited for on, and the watch is made before the read: a commit is
+        seen by the one or the other. (Plain reads, never a read-only transaction:
+        etcd before 3.5.5 panics on one that times out under load, etcd#14110.)"""
         if placement in self._committed:
             return True
-        result = self.etcd.transaction([Get(placement_key(self.etcd, placement))])
         if self._placements is None:
             self._placements = self.etcd.watch(
                 placements_prefix(self.etcd), self._on_placements,
-                start_revision=result.revision + 1, prefix=True, prev_kv=False,
+                start_revision=0, prefix=True, prev_kv=False,
             )  # fmt: skip
-        if result.reads[0] is None:
+        if self.etcd.get(placement_key(self.etcd, placement)) is None:
             return False
         self._committed.add(placement)
         return True

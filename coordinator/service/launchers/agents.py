@@ -42,7 +42,6 @@ from coordinator.etcd.client import (
     Delete,
     Etcd,
     EtcdError,
-    Get,
     KeyValue,
     Put,
     QuietSince,
@@ -296,16 +295,10 @@ class AgentsLauncher:
     def exit_code(self, member: Member) -> int | None:
         agent_id, name = _parts(member)
         try:
-            result = self.etcd.transaction(
-                [
-                    Get(report_key(self.etcd, agent_id, name)),
-                    Get(assignment_key(self.etcd, agent_id, name)),
-                ]
-            )
+            report, assigned = self._report_or_assigned(agent_id, name)
         except EtcdError as exc:
             log.warning("member %s: %s", name, exc)
             return None  # asked again next tick
-        report, assignment = result.reads
         if report is not None:
             try:
                 state = Report.model_validate_json(report.value)
@@ -317,7 +310,21 @@ class AgentsLauncher:
             if state.state == "refused":
                 log.warning("member %s: %s", name, state.reason)
             return VANISHED if state.exit_code is None else state.exit_code
-        return None if assignment is not None else VANISHED  # assigned, not yet started
+        return None if assigned else VANISHED  # assigned, not yet started
+
+    def _report_or_assigned(self, agent_id: str, name: str) -> tuple[KeyValue | None, bool]:
+        """The member's report, or (none yet) whether it is still assigned. Plain reads,
+        not one read-only transaction (etcd before 3.5.5 panics on one that times out
+        under load, etcd#14110; this is asked for every member every tick): its agent
+        writes the report with the assignment's deletion, and a deleted assignment never
+        comes back, so a report missing before the assignment was found gone is read
+        again."""
+        report = self.etcd.get(report_key(self.etcd, agent_id, name))
+        if report is not None:
+            return report, True
+        if self.etcd.get(assignment_key(self.etcd, agent_id, name)) is not None:
+            return None, True
+        return self.etcd.get(report_key(self.etcd, agent_id, name)), False
 
     def terminate(self, member: Member) -> None:
         self._stop(member, "SIGTERM")
