@@ -326,7 +326,7 @@ def test_a_placement_never_committed_starts_nothing_and_is_swept(
     assert _assigned(etcd) == []
 
 
-@pytest.mark.slow  # ~?? s: 150 member processes on this machine
+@pytest.mark.slow  # ~85 s: 150 member processes on this 2-core machine
 def test_a_job_of_150_workers_places_on_three_agents_with_the_default_limit(
     serve: Callable[..., ServiceProc],  # noqa: F811
     agents: Any,  # noqa: F811

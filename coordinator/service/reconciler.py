@@ -670,9 +670,9 @@ def _started(record: JobRecord, number: int) -> bool:
     return record.state == S.STARTING and len(record.attempts) == number
 
 
-def _release(reservation: Reservation) -> None:
+def _release(reservation: Reservation | None) -> None:
     """Undo what the reservation wrote ahead (it checks that it was not committed)."""
-    if reservation.release is not None:
+    if reservation is not None and reservation.release is not None:
         reservation.release()
 
 
