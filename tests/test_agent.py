@@ -54,9 +54,14 @@ def registered(etcd: Etcd, agent_id: str) -> dict[str, Any] | None:
     return json.loads(kv.value) if kv else None
 
 
-def assign(etcd: Etcd, agent_id: str, name: str, args: list[str]) -> None:
+def assign(
+    etcd: Etcd, agent_id: str, name: str, args: list[str], placement: str | None = None
+) -> None:
     run_id, attempt, index = name.rsplit("-a", 1)[0], 1, int(name.rsplit("-m", 1)[1])
-    body = {"run_id": run_id, "attempt": attempt, "index": index, "worker_args": args}
+    body: dict[str, Any] = {"run_id": run_id, "attempt": attempt, "index": index,
+                            "worker_args": args}  # fmt: skip
+    if placement is not None:
+        body["placement"] = placement
     etcd.put(etcd.key("assignments", agent_id, name), json.dumps(body))
 
 
@@ -116,6 +121,45 @@ def test_assigned_members_run_report_and_serve_their_output(
     agent.process.send_signal(signal.SIGTERM)  # nothing runs: it leaves at once
     assert agent.process.wait(30) == 0
     assert registered(etcd, "host-b") is None
+
+
+def test_a_member_of_a_placement_starts_only_once_it_is_committed(
+    agents: Any, etcd: Etcd, etcd_server: EmbeddedEtcd
+) -> None:
+    """Assignments naming a placement wait for `<ns>/placements/<id>`; one deleted before
+    the commit never runs. The agent handles what it sees in order, so a plain member
+    assigned after one that waits has been handled after it."""
+    agents("--id", "host-p", "--slots", "4")
+    wait_until(lambda: registered(etcd, "host-p"), 30, "the agent to register")
+
+    def worker(job: str) -> list[str]:
+        return ["--job", job, "--world-size", "1", "--etcd", etcd_server.endpoint,
+                "--namespace", etcd.namespace]  # fmt: skip
+
+    def exited(name: str) -> dict[str, Any] | None:
+        kv = etcd.get(etcd.key("reports", "host-p", name))
+        report = json.loads(kv.value) if kv else None
+        return report if report and report["state"] == "exited" else None
+
+    def reported(name: str) -> bool:
+        return etcd.get(etcd.key("reports", "host-p", name)) is not None
+
+    first, second, third = (f"{job}-0123-a1-0123456789abcdef" for job in ("wa", "wb", "wc"))
+    assign(etcd, "host-p", "wa-0123-a1-m0", worker("wa"), placement=first)
+    assign(etcd, "host-p", "wb-0123-a1-m0", worker("wb"), placement=second)
+    assign(etcd, "host-p", "plain-0123-a1-m0", worker("plain"))
+    wait_until(lambda: exited("plain-0123-a1-m0"), 60, "the plain member to run")
+    assert not reported("wa-0123-a1-m0") and not reported("wb-0123-a1-m0")  # waiting
+
+    etcd.put(etcd.key("placements", first), "{}")  # committed: it runs
+    state = wait_until(lambda: exited("wa-0123-a1-m0"), 60, "the committed member to run")
+    assert state["exit_code"] == 0
+    etcd.delete(etcd.key("assignments", "host-p", "wb-0123-a1-m0"))  # withdrawn, then
+    etcd.put(etcd.key("placements", second), "{}")  # committed: it must not run
+    assign(etcd, "host-p", "wc-0123-a1-m0", worker("wc"), placement=third)
+    etcd.put(etcd.key("placements", third), "{}")  # seen after the second's commit
+    wait_until(lambda: exited("wc-0123-a1-m0"), 60, "the last committed member to run")
+    assert not reported("wb-0123-a1-m0")
 
 
 def test_sigterm_drains_a_running_member_and_deregisters_first(

@@ -23,8 +23,9 @@ from typing import Any
 import psutil
 import pytest
 from pydantic import ValidationError
+from pyetcd import etcdrpc
 
-from coordinator.etcd.client import Etcd, EtcdRefused
+from coordinator.etcd.client import Etcd, EtcdRefused, prefix_end
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.users import (
@@ -62,7 +63,10 @@ def test_a_job_user_is_named_after_its_prefix_and_granted_only_it() -> None:
         ("/ns/agents/host-a", False),
         ("/ns/assignments/host-a/", True),
         ("/ns/reports/host-a/", True),
+        ("/ns/placements/", True),
     }
+    (commits,) = [g for g in agent_grants("/ns", "host-a") if g.key == "/ns/placements/"]
+    assert commits.permission == "read"
     with pytest.raises(ValueError, match="job id"):
         job_user("/ns", "../api")
 
@@ -117,6 +121,7 @@ def test_an_agents_credentials_reach_only_its_own_keys(
 ) -> None:
     credentials = provision_agent(etcd, "host-a")
     etcd.put(etcd.key("assignments", "host-a", "m"), "for it")
+    etcd.put(etcd.key("placements", "j-0a1b2c3d-a1-0123456789abcdef"), "{}")
     with _as(
         etcd_server.endpoint, etcd.namespace, credentials, tmp_path, "assignments/host-a/"
     ) as agent:
@@ -131,6 +136,11 @@ def test_an_agents_credentials_reach_only_its_own_keys(
         _refused(lambda: agent.put(agent.key("api", "jobs", "evil"), "{}"))
         _refused(lambda: agent.put(agent.key("jobs", "j", "x"), "{}"))
         _refused(lambda: agent.get(agent.key("api", "credentials", "j")))
+        # The placements' commits: read (a big placement's members wait for theirs), never
+        # written, so an agent cannot start a placement nobody committed.
+        assert agent.get(agent.key("placements", "j-0a1b2c3d-a1-0123456789abcdef")) is not None
+        _refused(lambda: agent.put(agent.key("placements", "j-0a1b2c3d-a1-fedcba9876543210"), "{}"))
+        _refused(lambda: agent.delete(agent.key("placements", "j-0a1b2c3d-a1-0123456789abcdef")))
 
 
 # -- assignments the agent refuses (pure) -------------------------------------------------------
@@ -171,6 +181,10 @@ def _check(assignment: dict[str, Any], data_dir: Path) -> Assignment:
         ({"credentials": {"user": "/ns/jobs/j2", "password": "p" * 43}}, "credentials"),
         ({"stop": "SIGSTOP"}, "stop"),
         ({"command": "sh"}, "command"),
+        ({"placement": "../../api/jobs/x"}, "placement"),
+        ({"placement": "j1-0a1b2c3d-a1-0123456789ABCDEF"}, "placement"),
+        ({"placement": "j1-0a1b2c3d-a2-0123456789abcdef"}, "not of this run and attempt"),
+        ({"placement": "j2-0a1b2c3d-a1-0123456789abcdef"}, "not of this run and attempt"),
     ],
 )
 def test_an_assignment_is_checked_field_by_field(
@@ -179,6 +193,11 @@ def test_an_assignment_is_checked_field_by_field(
     assert _check(GOOD, tmp_path).credentials is not None  # the unchanged one passes
     with pytest.raises(ValidationError, match=named):
         _check({**GOOD, **change}, tmp_path)
+
+
+def test_an_assignment_may_name_a_placement_of_its_run_and_attempt(tmp_path: Path) -> None:
+    placement = "j1-0a1b2c3d-a1-0123456789abcdef"
+    assert _check({**GOOD, "placement": placement}, tmp_path).placement == placement
 
 
 def test_a_path_inside_the_agents_data_dir_is_allowed(tmp_path: Path) -> None:
@@ -231,6 +250,61 @@ def test_a_forged_assignment_is_refused_reported_and_never_run(
     assert etcd.count_prefix(etcd.key("assignments", "host-f") + "/") == 0  # all dropped
     assert not list(tmp_path.rglob("member-*"))  # nothing ran: no log, no pidfile
     assert not psutil.Process(agent.process.pid).children(recursive=True)
+
+
+def test_an_agent_as_its_own_user_runs_a_committed_placement_and_one_that_cannot_read_refuses(
+    agents: Any,  # noqa: F811
+    etcd: Etcd,
+    etcd_server: EmbeddedEtcd,
+    tmp_path: Path,
+) -> None:
+    """The read grant is enough: the agent reads and watches the commits as its own user.
+    A user made before that grant (it may not read them) refuses such an assignment,
+    naming why, instead of waiting for ever."""
+    commits = etcd.key("placements") + "/"
+    for agent_id in ("host-r", "host-old"):
+        credentials = provision_agent(etcd, agent_id)
+        if agent_id == "host-old":
+            request = etcdrpc.AuthRoleRevokePermissionRequest(
+                role=credentials.user, key=commits.encode(), range_end=prefix_end(commits)
+            )
+            etcd.auth_api("RoleRevokePermission", request)
+        password = write_password_file(tmp_path / f"{agent_id}.password", credentials.password)
+        agents("--id", agent_id, "--slots", "2", "--etcd-user", credentials.user,
+               "--etcd-password-file", str(password))  # fmt: skip
+        wait_until(lambda a=agent_id: registered(etcd, a), 30, f"{agent_id} to register")
+    member = provision_job(etcd, "wq")
+
+    def assign(agent_id: str, run: str, ahead: bool = True) -> tuple[str, str]:
+        run_id, name = f"wq-{run}", f"wq-{run}-a1-m0"
+        placement = f"{run_id}-a1-0123456789abcdef"
+        body = {
+            "run_id": run_id, "attempt": 1, "index": 0,
+            "worker_args": ["--job", "wq", "--world-size", "1", "--etcd", etcd_server.endpoint,
+                            "--namespace", etcd.namespace],
+            "credentials": {"user": member.user, "password": member.password},
+        }  # fmt: skip
+        if ahead:
+            body["placement"] = placement
+        etcd.put(etcd.key("assignments", agent_id, name), json.dumps(body))
+        return name, placement
+
+    def report(agent_id: str, name: str) -> dict[str, Any] | None:
+        kv = etcd.get(etcd.key("reports", agent_id, name))
+        found = json.loads(kv.value) if kv else None
+        return found if found and found["state"] != "running" else None
+
+    name, placement = assign("host-r", "waits")
+    plain, _ = assign("host-r", "plain", ahead=False)  # handled after the one that waits
+    wait_until(lambda: report("host-r", plain), 60, "the plain member to run")
+    assert etcd.get(etcd.key("reports", "host-r", name)) is None  # it waits
+    etcd.put(etcd.key("placements", placement), "{}")  # seen by the agent's watch
+    done = wait_until(lambda: report("host-r", name), 60, "the committed member to run")
+    assert done["state"] == "exited" and done["exit_code"] == 0
+    name, placement = assign("host-old", "old")
+    etcd.put(etcd.key("placements", placement), "{}")
+    refused = wait_until(lambda: report("host-old", name), 30, "the old agent to refuse")
+    assert refused["state"] == "refused" and "may not read" in refused["reason"], refused
 
 
 # -- per-job users live as long as their job ----------------------------------------------------

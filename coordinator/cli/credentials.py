@@ -1,8 +1,10 @@
 """`coordinator credentials`: etcd users of least privilege, made by an operator as root.
 
-An agent's user may touch its registration, its assignments and its reports, and
-nothing of any job or other agent. Root's settings come from the data dir of a
-`coordinator serve` with its own etcd (`--data-dir`), or from the `--etcd-*` options.
+An agent's user may touch its registration, its assignments and its reports, read
+the placements' commits, and nothing of any job or other agent (`agent_grants`; run
+`agent` again for an older user: it adds what the agent may now need). Root's
+settings come from the data dir of a `coordinator serve` with its own etcd
+(`--data-dir`), or from the `--etcd-*` options.
 """
 
 from __future__ import annotations

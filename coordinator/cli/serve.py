@@ -22,6 +22,7 @@ from coordinator.cli.options import (
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 from coordinator.launch import parse_gpus
 from coordinator.rendezvous.address import is_loopback
+from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
 from coordinator.service.model import Launcher
 
 
@@ -89,6 +90,14 @@ def serve(
         Launcher,
         typer.Option(envvar="COORDINATOR_DEFAULT_LAUNCHER", help="for jobs that name none"),
     ] = Launcher.LOCAL,
+    max_txn_ops: Annotated[
+        int,
+        typer.Option(
+            min=MIN_TXN_OPS,
+            help="operations of one etcd transaction the service makes, below etcd's "
+            "--max-txn-ops (128); a bigger placement on agents is written in chunks",
+        ),
+    ] = DEFAULT_MAX_TXN_OPS,
     docker_image: Annotated[
         str | None,
         typer.Option(help="worker image: enables the docker launcher (containers)"),
@@ -240,6 +249,7 @@ def serve(
         member_ttl=member_ttl,
         tokens=tokens,
         default_launcher=default_launcher,
+        max_txn_ops=max_txn_ops,
         docker_image=docker_image,
         docker_network=docker_network,
         docker_host=docker_host,

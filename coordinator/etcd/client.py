@@ -307,7 +307,7 @@ def _request(operation: TxnOp) -> etcdrpc.RequestOp:
 
 @dataclass(frozen=True)
 class TxnResult:
-    succeeded: bool  # whether the `when_empty` condition held
+    succeeded: bool  # whether the conditions (`when_empty`, `guards`) held
     revision: int
     reads: list[KeyValue | None]  # one per `First` or `Get`, in order
 
@@ -1060,8 +1060,10 @@ class Etcd:
         *,
         when_empty: Sequence[tuple[str, bytes]] = (),
         otherwise: Sequence[TxnOp] = (),
+        guards: Sequence[Guard] = (),
     ) -> TxnResult:
-        """Run `ops` if every key range in `when_empty` holds no key, else `otherwise`.
+        """Run `ops` if every key range in `when_empty` holds no key and every guard
+        holds, else `otherwise`.
 
         Ranges are `(start, end)` with `end` exclusive (bytes). A `First` op reads
         the lowest key of its range, a `Get` one key; the result lists one answer
@@ -1078,6 +1080,7 @@ class Etcd:
             )
             for start, end in when_empty
         ]
+        compare += [guard.compare() for guard in guards]
         request = etcdrpc.TxnRequest(compare=compare)
         for op in ops:
             op.into(request.success.add())

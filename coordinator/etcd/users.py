@@ -2,8 +2,9 @@
 
 Whoever holds a user's password can do what its role allows and nothing else, so
 a member's credentials reach only its own job's keys (`<ns>/jobs/<id>/`), and an
-agent's only its registration, its assignments and its reports. The service keeps
-etcd's root user: only the root role may manage users and roles.
+agent's only its registration, its assignments and its reports (and read the
+placements' commits). The service keeps etcd's root user: only the root role may
+manage users and roles.
 
 Names and grants are pure functions; the calls that make or remove users go
 through etcd's Auth API (`Etcd.auth_api`), as a user with the root role.
@@ -77,12 +78,15 @@ def agent_user(namespace: str, agent_id: str) -> str:
 
 def agent_grants(namespace: str, agent_id: str) -> list[Grant]:
     """Its registration (created if absent, which reads it), its assignments (it deletes
-    each when the member ends) and its reports; nothing of any job or other agent."""
+    each when the member ends) and its reports; reading the placements' commits (ids,
+    no secrets: a big placement's members start once theirs exists); nothing of any job
+    or other agent."""
     check_name("agent id", agent_id)
     return [
         Grant(f"{namespace}/agents/{agent_id}", prefix=False),
         Grant(f"{namespace}/assignments/{agent_id}/", prefix=True),
         Grant(f"{namespace}/reports/{agent_id}/", prefix=True),
+        Grant(f"{namespace}/placements/", prefix=True, permission="read"),
     ]
 
 

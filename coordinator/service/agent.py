@@ -9,6 +9,10 @@ and serves the members' output over HTTP at its address
 (`GET /members/<member>/output?offset=N`), so the service's logs endpoint
 reaches it on whichever host it ran.
 
+An assignment that names a `placement` (one too big for one etcd transaction,
+written ahead of its commit) waits until `<ns>/placements/<placement>` exists: the
+placement is then whole. One deleted meanwhile never runs.
+
 It trusts nothing it reads: an assignment that does not pass `Assignment` (the
 options the service writes and no others, paths inside its data dir, its own
 namespace) is reported `refused` and never runs. Its output server binds only
@@ -44,7 +48,15 @@ from urllib.parse import parse_qs, urlparse
 
 from pydantic import ValidationError
 
-from coordinator.etcd.client import Delete, Etcd, EtcdError, Put, WatchEvent
+from coordinator.etcd.client import (
+    Delete,
+    Etcd,
+    EtcdError,
+    EtcdRefused,
+    Put,
+    Watch,
+    WatchEvent,
+)
 from coordinator.etcd.session import Session
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.rendezvous.address import advertise_address
@@ -53,6 +65,8 @@ from coordinator.service.agent_keys import (
     agent_key,
     assignments_prefix,
     member_name,
+    placement_key,
+    placements_prefix,
     report_key,
 )
 from coordinator.service.launchers import VANISHED
@@ -64,6 +78,8 @@ log = logging.getLogger(__name__)
 REPORT_SECONDS = 0.25  # how often running members are checked for their end
 ANY_ADDRESS = ("0.0.0.0", "::", "")
 EXIT_REFUSED = 2  # the exit code reported for an assignment refused: bad arguments
+# What the main thread is told (`Agent._take`).
+ASSIGNED, WITHDRAWN, COMMITTED, UNCOMMITTED = "assigned", "withdrawn", "committed", "uncommitted"
 
 
 class AgentTaken(RuntimeError):
@@ -113,7 +129,13 @@ class Agent:
         )
         self.members: dict[str, Running] = {}  # member name -> what runs (or ran)
         self.assignments = assignments_prefix(etcd, options.agent_id)
-        self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        # What the watches saw, for the main thread: (what, name, value), `what` one of
+        # ASSIGNED, WITHDRAWN (an assignment deleted), COMMITTED, UNCOMMITTED (a
+        # placement's commit written, deleted).
+        self._inbox: queue.SimpleQueue[tuple[str, str, bytes]] = queue.SimpleQueue()
+        self._waiting: dict[str, str] = {}  # member name -> the placement it waits for
+        self._committed: set[str] = set()  # placements whose commit was seen
+        self._placements: Watch | None = None  # made once a placement is waited for
         self._lock = threading.Lock()
         self._draining = False
         self.token = secrets.token_urlsafe(32)  # what the output server asks of a request
@@ -178,6 +200,7 @@ class Agent:
             flush=True,
         )
         self._watch.cancel()
+        self._forget_placements()
         self.session.close(revoke=False)
         self._stop_members(grace=5.0)
         with self._lock:
@@ -217,8 +240,63 @@ class Agent:
         """Queued for the main thread, which alone starts members: they die with the
         thread that started them (see `LocalLauncher`), and it lives as long as we do."""
         for event in events:
-            if event.kind == "put":
-                self._inbox.put((event.key[len(self.assignments) :], event.value))
+            what = ASSIGNED if event.kind == "put" else WITHDRAWN
+            self._inbox.put((what, event.key[len(self.assignments) :], event.value))
+
+    def _on_placements(self, events: list[WatchEvent]) -> None:
+        prefix = placements_prefix(self.etcd)
+        for event in events:
+            what = COMMITTED if event.kind == "put" else UNCOMMITTED
+            self._inbox.put((what, event.key[len(prefix) :], b""))
+
+    def _take(self, what: str, name: str, value: bytes) -> None:
+        """One thing the watches saw, on the main thread."""
+        if what == ASSIGNED:
+            self._handle(name, value)
+        elif what == WITHDRAWN:  # a waiting member deleted before its commit: never runs
+            self._waiting.pop(name, None)
+        elif what == COMMITTED:
+            self._committed.add(name)
+            self._start_committed()
+        else:
+            self._committed.discard(name)
+
+    def _start_committed(self) -> None:
+        """Handle the waiting members whose placement is now committed, as their
+        assignments now are (a stop written meanwhile, or deleted: never run). Asked
+        again each round, so one that failed for etcd is tried again."""
+        for member, placement in list(self._waiting.items()):
+            if placement not in self._committed:
+                continue
+            kv = self.etcd.get(self.assignments + member)
+            if kv is None:
+                self._waiting.pop(member, None)
+            else:
+                self._handle(member, kv.value)
+
+    def _is_committed(self, placement: str) -> bool:
+        """Whether the placement's commit exists. The commits are watched from the first
+        placement waited for on, and the watch is made before the read: a commit is
+        seen by the one or the other. (Plain reads, never a read-only transaction:
+        etcd before 3.5.5 panics on one that times out under load, etcd#14110.)"""
+        if placement in self._committed:
+            return True
+        if self._placements is None:
+            self._placements = self.etcd.watch(
+                placements_prefix(self.etcd), self._on_placements,
+                start_revision=0, prefix=True, prev_kv=False,
+            )  # fmt: skip
+        if self.etcd.get(placement_key(self.etcd, placement)) is None:
+            return False
+        self._committed.add(placement)
+        return True
+
+    def _forget_placements(self) -> None:
+        if self._placements is not None:
+            self._placements.cancel()
+            self._placements = None
+        self._waiting.clear()
+        self._committed.clear()
 
     def _handle(self, name: str, value: bytes) -> None:
         with self._lock:
@@ -252,8 +330,26 @@ class Agent:
         if stop or self._draining or len(self.running()) >= self.options.slots:
             # Stopped before it started, or placed on an agent that is leaving (or, never
             # by the service, beyond the slots): it ends without running.
+            self._waiting.pop(name, None)
             self._ended(name, Member(index=assignment.index), VANISHED)
             return
+        if assignment.placement is not None:
+            try:
+                committed = self._is_committed(assignment.placement)
+            except EtcdRefused as exc:
+                if exc.cause != "permission-denied":
+                    raise
+                reason = (
+                    f"assignment {name} refused: this agent's etcd user may not read "
+                    f"{placements_prefix(self.etcd)} (renew it: coordinator credentials agent)"
+                )
+                print(f"agent: {reason}", flush=True)
+                self._refused(name, reason)
+                return
+            if not committed:
+                self._waiting[name] = assignment.placement  # until its commit, or deletion
+                return
+            self._waiting.pop(name, None)
         credentials = assignment.credentials
         command = assignment.worker_command(",".join(self.etcd.urls))
         member = self.launcher.start_member(
@@ -346,13 +442,17 @@ class Agent:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             try:
-                name, value = self._inbox.get(timeout=left)
+                what, name, value = self._inbox.get(timeout=left)
             except queue.Empty:
                 break
             try:
-                self._handle(name, value)
+                self._take(what, name, value)
             except (EtcdError, OSError, ValueError, KeyError) as exc:
-                print(f"agent: assignment {name}: {exc}", flush=True)
+                print(f"agent: {what} {name}: {exc}", flush=True)
+        try:
+            self._start_committed()
+        except (EtcdError, OSError, ValueError, KeyError) as exc:
+            print(f"agent: starting committed members: {exc}", flush=True)
         self.check_members()
 
     def drain(self) -> None:
@@ -378,6 +478,7 @@ class Agent:
 
     def close(self) -> None:
         self._watch.cancel()
+        self._forget_placements()
         self._http.shutdown()
         self._http.server_close()
         self.session.close(revoke=True)

@@ -7,15 +7,22 @@ models every value read from them must pass: neither side trusts what it reads.
   share an id. `token` is the bearer token its output server asks for.
 - `assignments/<id>/<member>`: an `Assignment`, a member the service placed on that
   agent (`{run_id, attempt, index, worker_args, credentials}`, with `command`, `env`
-  and `working_dir` for a command job, `gpus` for one asking GPUs, and `stop` once the
-  service wants it stopped), bound to the agent's lease. The agent deletes it when
+  and `working_dir` for a command job, `gpus` for one asking GPUs, `placement` for a
+  placement written ahead of its commit, and `stop` once the service wants it
+  stopped), bound to the agent's lease. The agent deletes it when
   the member ends, so the assignments under an agent are its slots in use.
 - `reports/<id>/<member>`: a `Report`, the member as its agent saw it last
   (`running`, then `exited`, or `refused` for an assignment it would not run),
   bound to the agent's lease. Written together with the assignment's deletion,
   so one of the two always exists while the agent lives.
+- `placements/<placement>`: the commit of a placement too big for one transaction,
+  written with the job's move to STARTING. Such a placement's assignments are
+  written ahead, each naming it (`placement`); an agent starts one only once this
+  key exists. `<placement>` is `<run_id>-a<attempt>-<16 hex digits>`, new for each
+  try to place an attempt.
 
-Each agent's etcd user may touch only its own three (`coordinator.etcd.users`).
+Each agent's etcd user may touch only its own three, and read the commits
+(`coordinator.etcd.users`).
 `<member>` is `<run_id>-a<attempt>-m<index>`: unique to one member of one attempt.
 """
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -45,6 +53,8 @@ from coordinator.launch.command import check_gpus
 from coordinator.service.model import ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
 
 RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + r"-[A-Za-z0-9]{1,32}$"
+PLACEMENT_TOKEN = r"[0-9a-f]{16}"
+PLACEMENT_PATTERN = RUN_ID_PATTERN.removesuffix("$") + r"-a[0-9]{1,4}-" + PLACEMENT_TOKEN + "$"
 ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253}):(?P<port>\d{1,5})$")
 
 #: The options the service writes into `worker_args`, and whether one may repeat.
@@ -83,6 +93,27 @@ def reports_prefix(etcd: Etcd, agent_id: str | None = None) -> str:
 
 def report_key(etcd: Etcd, agent_id: str, member: str) -> str:
     return reports_prefix(etcd, agent_id) + member
+
+
+def placements_prefix(etcd: Etcd) -> str:
+    return etcd.key("placements") + "/"
+
+
+def placement_key(etcd: Etcd, placement: str) -> str:
+    return placements_prefix(etcd) + placement
+
+
+def new_placement(run_id: str, attempt: int) -> str:
+    """A placement id of its own for one try to place this attempt (two writers placing
+    the same attempt never share one: the commit of one starts nothing of the other's)."""
+    return f"{run_id}-a{attempt}-{secrets.token_hex(8)}"
+
+
+def placements_of(run_id: str, attempt: int | None = None) -> re.Pattern[str]:
+    """The placement ids of a run (of one attempt of it), exactly: never another run's
+    whose id merely starts with this one."""
+    which = str(attempt) if attempt is not None else "[0-9]{1,4}"
+    return re.compile(re.escape(run_id) + f"-a{which}-{PLACEMENT_TOKEN}")
 
 
 # -- what the values must be ---------------------------------------------------------------
@@ -145,6 +176,9 @@ class Assignment(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     working_dir: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     gpus: tuple[int, ...] = ()  # the member's GPU ids on its agent
+    # The placement it belongs to, when it was written ahead of its commit: it runs only
+    # once `placements/<placement>` exists.
+    placement: Annotated[str, Field(pattern=PLACEMENT_PATTERN)] | None = None
 
     @field_validator("gpus")
     @classmethod
@@ -219,6 +253,10 @@ class Assignment(BaseModel):
         job = command.job_id
         if not self.run_id.startswith(job + "-"):
             raise ValueError(f"run_id {self.run_id!r} is not of job {job!r}")
+        if self.placement is not None and not placements_of(self.run_id, self.attempt).fullmatch(
+            self.placement
+        ):
+            raise ValueError(f"placement {self.placement!r} is not of this run and attempt")
         if self.index >= command.world_size:
             raise ValueError(f"index {self.index} is not below --world-size")
         is_command = command.kind == COMMAND

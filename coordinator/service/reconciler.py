@@ -63,7 +63,14 @@ from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
 from coordinator.launch import WorkerCommand
-from coordinator.service.launchers import OWN_SLOTS, VANISHED, Launch, WorkerLauncher
+from coordinator.service.launchers import (
+    OWN_SLOTS,
+    VANISHED,
+    Launch,
+    PlacesAhead,
+    Reservation,
+    WorkerLauncher,
+)
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
 from coordinator.service.series import member_events
@@ -188,6 +195,10 @@ class Reconciler:
                     free -= record.spec.workers
             else:
                 held.add(launcher)
+        for each in self.launchers.values():
+            if isinstance(each, PlacesAhead):  # placements a writer never committed
+                self._check_leading()
+                each.sweep()
 
     def _isolated(self, job_id: str, step: Callable[..., Any], *args: Any) -> Any:
         """One job's step (its result; None when it failed): what goes wrong with one job
@@ -229,12 +240,39 @@ class Reconciler:
         reservation = launcher.reserve(launch)
         if reservation is None:
             return False
-        if credentials is not None and not self._provision(record.id, credentials):
-            credentials = None  # the service may not make users: members connect as it does
-            launch = self._launch(record, number)
-            reservation = launcher.reserve(launch)
-            if reservation is None:
-                return False
+        started: JobRecord | None = None
+        try:
+            if credentials is not None and not self._provision(record.id, credentials):
+                credentials = None  # the service may not make users: members connect as it does
+                _release(reservation)  # (assignments written ahead name the credentials)
+                launch = self._launch(record, number)
+                reservation = launcher.reserve(launch)
+                if reservation is None:
+                    return False
+            started = self._commit_attempt(record, number, reservation, credentials, now)
+        finally:
+            if started is None or not _started(started, number):
+                _release(reservation)  # not committed (or not by us): what it wrote ahead goes
+        assert started is not None  # (else it raised)
+        record = started
+        if not _started(record, number):
+            return False
+        if number > 1:
+            self.restarts += 1
+        self.launched += len(reservation.members)
+        self._launch_members(record, launch, now)
+        return True
+
+    def _commit_attempt(
+        self,
+        record: JobRecord,
+        number: int,
+        reservation: Reservation,
+        credentials: Credentials | None,
+        now: float,
+    ) -> JobRecord:
+        """Move the job to STARTING with attempt `number`, with the reservation's writes
+        and guards in the same transaction; the record as it then is."""
         puts = list(reservation.puts)
         if credentials is not None:  # for a leader that has to finish this launch
             stored = {"user": credentials.user, "password": credentials.password}
@@ -253,14 +291,7 @@ class Reconciler:
 
         self._check_leading()
         guards = [*reservation.guards, *self.leadership.fence()]
-        record = self.store.update(record.id, change, guards, puts)
-        if record.state != S.STARTING or len(record.attempts) != number:
-            return False
-        if number > 1:
-            self.restarts += 1
-        self.launched += len(reservation.members)
-        self._launch_members(record, launch, now)
-        return True
+        return self.store.update(record.id, change, guards, puts)
 
     def _launch_members(self, record: JobRecord, launch: Launch, now: float) -> None:
         """Start the attempt's members not yet recorded (all of them, or what a previous
@@ -590,6 +621,9 @@ class Reconciler:
         attempt = record.attempt
         assert attempt is not None and attempt.then is not None
         self._clear_rendezvous(record.id)
+        launcher = self.launchers[record.spec.launcher]
+        if isinstance(launcher, PlacesAhead):  # what let its members start goes with them
+            launcher.placement_ended(record.run_id, attempt.number)
 
         def change(current: JobRecord) -> JobRecord | None:
             last = current.attempt
@@ -629,6 +663,17 @@ class Reconciler:
     def _overdue(self, record: JobRecord, now: float) -> bool:
         first = record.attempts[0].started_at if record.attempts else now
         return now - first > (record.spec.deadline_seconds or 0)
+
+
+def _started(record: JobRecord, number: int) -> bool:
+    """The record is STARTING attempt `number`."""
+    return record.state == S.STARTING and len(record.attempts) == number
+
+
+def _release(reservation: Reservation | None) -> None:
+    """Undo what the reservation wrote ahead (it checks that it was not committed)."""
+    if reservation is not None and reservation.release is not None:
+        reservation.release()
 
 
 def _with_member(attempt: int, member: Member) -> Callable[[JobRecord], JobRecord | None]:

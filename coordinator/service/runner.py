@@ -20,10 +20,11 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.service.api import create_app
 from coordinator.service.auth import Tokens
+from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS
 from coordinator.service.context import ApiContext
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
-from coordinator.service.launchers.agents import AgentsLauncher
+from coordinator.service.launchers.agents import PLACEMENT_GRACE, AgentsLauncher
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.metrics import ServiceMetrics
@@ -44,6 +45,11 @@ class ServiceOptions:
     leader_ttl: int = 5
     tokens: Tokens | None = None
     default_launcher: Launcher = Launcher.LOCAL
+    # The agents launcher: the most operations of one etcd transaction (a bigger
+    # placement is written in chunks), and how long one written ahead may wait for its
+    # commit before the leader removes it.
+    max_txn_ops: int = DEFAULT_MAX_TXN_OPS
+    placement_grace: float = PLACEMENT_GRACE
     # The docker launcher, enabled by an image: its network, the engine's API (None:
     # DOCKER_HOST or the default socket) and etcd as containers see it (None: `etcd`).
     docker_image: str | None = None
@@ -74,7 +80,11 @@ class Service:
         self.store = JobStore(self.etcd, mirror=True)
         self.launchers: dict[Launcher, WorkerLauncher] = {
             Launcher.LOCAL: LocalLauncher(options.data_dir / "logs", gpus=options.gpus),
-            Launcher.AGENTS: AgentsLauncher(self.etcd),
+            Launcher.AGENTS: AgentsLauncher(
+                self.etcd,
+                max_txn_ops=options.max_txn_ops,
+                placement_grace=options.placement_grace,
+            ),
         }
         images: dict[Launcher, ImagePolicy] = {}
         if options.docker_image:

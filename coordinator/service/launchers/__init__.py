@@ -4,8 +4,10 @@ Starting an attempt takes two steps. `reserve` first says whether the attempt
 fits now, and returns the etcd writes that take its room (the agents launcher
 writes every member's assignment). The reconciler commits them in the same
 transaction that moves the job to STARTING, so a job is placed whole or not at
-all, and two replicas never both take the same room. Then `start` starts each
-member not yet recorded.
+all, and two replicas never both take the same room. (A placement too big for
+one transaction is written ahead, and what the reconciler commits is then one
+key that lets it run: `chunks`.) Then `start` starts each member not yet
+recorded.
 
 A launcher starts member `index` of attempt `attempt` of a job, idempotently:
 asked again for the same member (a new leader finishing its predecessor's
@@ -17,9 +19,10 @@ including one started by a service process that has since died.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from coordinator.etcd.client import Guard, Put
 from coordinator.etcd.users import Credentials
@@ -80,6 +83,9 @@ class Reservation:
     # placed members on them since.
     guards: list[Guard] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)  # recorded at once (placed members)
+    # Undoes what `reserve` wrote ahead of the commit, unless the commit was made (it
+    # checks): called when the reservation will not be committed. None: nothing was.
+    release: Callable[[], None] | None = None
 
 
 #: What launchers that start members on demand reserve: no writes, always room (the
@@ -112,4 +118,19 @@ class WorkerLauncher(Protocol):
 
     def remove(self, run_id: str) -> int:
         """Forget a finished submission: its members' logs or containers; how many."""
+        ...
+
+
+@runtime_checkable
+class PlacesAhead(Protocol):
+    """A launcher that may write a placement ahead of its commit: the leader has it
+    delete an attempt's commit once the attempt ended, and sweep the placements whose
+    writer never committed them."""
+
+    def placement_ended(self, run_id: str, attempt: int) -> None:
+        """The attempt's members are gone: its placement's commit goes too."""
+        ...
+
+    def sweep(self) -> int:
+        """Remove what placements never committed left (after a grace); how many."""
         ...

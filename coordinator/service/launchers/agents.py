@@ -8,6 +8,13 @@ chosen agent's registration (the same agent, still alive) and by its
 assignments (nobody placed members on it since they were read): so two
 replicas never over-fill an agent, and a job is placed whole or not at all.
 
+A placement too big for one transaction (`max_txn_ops`, `max_txn_bytes`) is
+written ahead by `reserve`, in chunks (`chunks`), each assignment naming the
+placement; the reconciler's transaction then writes only its commit key, which
+agents wait for before they start anything of it. A chunk refused undoes the
+chunks before it. What a writer left uncommitted (it died, or gave up) is swept
+by the leader after `placement_grace`, and a commit goes when its attempt ends.
+
 An agent starts what is assigned to it at once, so `start` has nothing left to
 do. The member's state is its agent's report; an agent that dies takes its
 assignments and reports with its lease, and its members read as `VANISHED`
@@ -23,21 +30,47 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from collections import Counter
 
 import httpx
 from pydantic import ValidationError
 
-from coordinator.etcd.client import CreatedAt, Etcd, EtcdError, Get, KeyValue, Put, QuietSince
+from coordinator.etcd.client import (
+    CreatedAt,
+    Delete,
+    Etcd,
+    EtcdError,
+    KeyValue,
+    Put,
+    QuietSince,
+    ValueIs,
+    When,
+)
 from coordinator.service.agent_keys import (
+    PLACEMENT_PATTERN,
     AgentRecord,
     Report,
     agent_key,
     assignment_key,
     assignments_prefix,
     member_name,
+    new_placement,
+    placement_key,
+    placements_of,
+    placements_prefix,
     report_key,
     reports_prefix,
+)
+from coordinator.service.chunks import (
+    DEFAULT_MAX_TXN_BYTES,
+    DEFAULT_MAX_TXN_OPS,
+    Write,
+    check_limits,
+    chunk_guards,
+    chunks,
+    fits_one_transaction,
 )
 from coordinator.service.launchers import VANISHED, Launch, Reservation
 from coordinator.service.model import JobSpec, Member
@@ -45,10 +78,31 @@ from coordinator.service.placement import AgentRoom, capacity, matches, place
 
 log = logging.getLogger(__name__)
 
+#: Seconds a placement's assignments may wait for its commit before the leader's sweep
+#: removes them: far longer than a writer takes from its first chunk to its commit.
+PLACEMENT_GRACE = 30.0
+
 
 class AgentsLauncher:
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        max_txn_ops: int = DEFAULT_MAX_TXN_OPS,
+        max_txn_bytes: int = DEFAULT_MAX_TXN_BYTES,
+        placement_grace: float = PLACEMENT_GRACE,
+    ) -> None:
+        check_limits(max_txn_ops, max_txn_bytes)
+        if not placement_grace > 0:
+            raise ValueError("placement_grace must be a positive number of seconds")
         self.etcd = etcd
+        # The most operations (and bytes) of one transaction this launcher makes or
+        # hands the reconciler: bigger placements are written in chunks.
+        self.max_txn_ops = max_txn_ops
+        self.max_txn_bytes = max_txn_bytes
+        self.placement_grace = placement_grace
+        # placement id -> when the sweep first saw it uncommitted (monotonic)
+        self._uncommitted: dict[str, float] = {}
+        self._swept_at = float("-inf")
         self._http = httpx.Client(timeout=3.0)
         # agent id -> its output server and token, as last read
         self._addresses: dict[str, tuple[str, str]] = {}
@@ -108,39 +162,123 @@ class AgentsLauncher:
         placed = place(rooms, spec.workers, spec.agent_selector, spec.gpus_per_worker)
         if placed is None:
             return None
-        puts, members = [], []
-        command = launch.command
-        chosen = [agent_id for agent_id, _ in placed]
-        for index, (agent_id, gpus) in enumerate(placed):
+        assignments = [_assignment(launch, index, gpus) for index, (_, gpus) in enumerate(placed)]
+        members, writes = [], []
+        for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
             name = member_name(launch.run_id, launch.attempt, index)
-            assignment: dict[str, object] = {
-                "run_id": launch.run_id,
-                "attempt": launch.attempt,
-                "index": index,
-                "worker_args": command.options(),
-            }
-            if command.program is not None:  # the command kind: its agent passes env and
-                assignment["command"] = list(command.program)  # folder on
-                if command.program_env:
-                    assignment["env"] = command.program_env
-                if command.working_dir:
-                    assignment["working_dir"] = command.working_dir
-            if gpus:
-                assignment["gpus"] = list(gpus)
-            if launch.credentials is not None:  # the assignment is readable by its agent only
-                assignment["credentials"] = {
-                    "user": launch.credentials.user,
-                    "password": launch.credentials.password,
-                }
             key = assignment_key(self.etcd, agent_id, name)
-            puts.append(Put(key, json.dumps(assignment), registrations[agent_id].lease))
+            writes.append(Write(agent_id, key, json.dumps(assignment).encode()))
             members.append(Member(index=index, assignment=f"{agent_id}/{name}"))
+        if not fits_one_transaction(writes, self.max_txn_ops, self.max_txn_bytes):
+            ahead = self._reserve_ahead
+            return ahead(launch, placed, assignments, members, registrations, revision)
+        puts = [Put(w.key, w.value, registrations[w.agent_id].lease) for w in writes]
         guards: list[CreatedAt | QuietSince] = []
-        for agent_id in sorted(set(chosen)):
+        for agent_id in sorted({agent_id for agent_id, _ in placed}):
             registration = registrations[agent_id]
             guards.append(CreatedAt(registration.key, registration.create_revision))
             guards.append(QuietSince(assignments_prefix(self.etcd, agent_id), revision))
         return Reservation(puts=puts, guards=guards, members=members)
+
+    def _reserve_ahead(
+        self,
+        launch: Launch,
+        placed: list[tuple[str, tuple[int, ...]]],
+        assignments: list[dict[str, object]],
+        members: list[Member],
+        registrations: dict[str, KeyValue],
+        revision: int,
+    ) -> Reservation | None:
+        """Write the assignments now, in chunks, naming a new placement; what the
+        reconciler commits is then the placement's commit key alone (None: a chunk
+        was refused, and those before it are undone)."""
+        placement = new_placement(launch.run_id, launch.attempt)
+        writes = []
+        for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
+            name = member_name(launch.run_id, launch.attempt, index)
+            value = json.dumps({**assignment, "placement": placement}).encode()
+            writes.append(Write(agent_id, assignment_key(self.etcd, agent_id, name), value))
+        agents = {agent_id for agent_id, _ in placed}
+        registered = {
+            a: CreatedAt(registrations[a].key, registrations[a].create_revision) for a in agents
+        }
+        prefixes = {a: assignments_prefix(self.etcd, a) for a in agents}
+        written_at = dict.fromkeys(agents, revision)
+        written: list[Write] = []
+        for chunk in chunks(writes, self.max_txn_ops, self.max_txn_bytes):
+            puts = [Put(w.key, w.value, registrations[w.agent_id].lease) for w in chunk]
+            guards = chunk_guards(chunk, registered, prefixes, written_at)
+            try:
+                result = self.etcd.transaction(puts, guards=guards)
+            except EtcdError as exc:  # an agent's lease gone, etcd away: try again later
+                log.warning("placement %s: a chunk was not written (%s)", placement, exc)
+                result = None
+            if result is None or not result.succeeded:
+                self._withdraw(placement, written)  # (an unanswered chunk: the sweep's)
+                return None
+            written += chunk
+            written_at.update(dict.fromkeys({w.agent_id for w in chunk}, result.revision))
+        commit = {"run_id": launch.run_id, "attempt": launch.attempt, "members": len(members)}
+        put = Put(placement_key(self.etcd, placement), json.dumps(commit))
+        return Reservation(
+            puts=[put], members=members, release=lambda: self._withdraw(placement, written)
+        )
+
+    def _withdraw(self, placement: str, writes: list[Write]) -> None:
+        """Delete these assignments of an uncommitted placement: each only if it still
+        holds what was written, and none once the placement is committed (checked in
+        each transaction). Best effort: what is left, the sweep removes."""
+        commit = placement_key(self.etcd, placement)
+        try:
+            # Each deletion a nested transaction of one condition: one op less per chunk.
+            for chunk in chunks(writes, self.max_txn_ops - 1, self.max_txn_bytes):
+                ops = [When((ValueIs(w.key, "=", w.value),), (Delete(w.key),)) for w in chunk]
+                result = self.etcd.transaction(ops, when_empty=[(commit, _just(commit))])
+                if not result.succeeded:
+                    return  # committed after all: its members are the job's
+        except EtcdError as exc:
+            log.warning("placement %s: not withdrawn yet (%s); the sweep will", placement, exc)
+
+    def sweep(self) -> int:
+        """Remove the assignments of placements still uncommitted `placement_grace`
+        seconds after this replica first saw them so (their writer died, or gave up,
+        between its chunks and its commit); how many placements were removed. Asked
+        every tick of the leader; reads etcd only every few seconds."""
+        now = time.monotonic()
+        if now - self._swept_at < min(5.0, max(0.2, self.placement_grace / 4)):
+            return 0
+        self._swept_at = now
+        start = len(assignments_prefix(self.etcd))
+        assigned, _ = self.etcd.get_prefix(assignments_prefix(self.etcd))
+        committed, _ = self.etcd.get_prefix(placements_prefix(self.etcd), keys_only=True)
+        made = {kv.key[len(placements_prefix(self.etcd)) :] for kv in committed}
+        waiting: dict[str, list[Write]] = {}
+        for kv in assigned:
+            placement = _placement_of(kv)
+            if placement is not None and placement not in made:
+                agent_id = kv.key[start:].partition("/")[0]
+                waiting.setdefault(placement, []).append(Write(agent_id, kv.key, kv.value))
+        self._uncommitted = {p: self._uncommitted.get(p, now) for p in waiting}
+        removed = 0
+        for placement, writes in waiting.items():
+            if now - self._uncommitted[placement] >= self.placement_grace:
+                log.warning(
+                    "placement %s: never committed; its %d assignment(s) removed",
+                    placement, len(writes),
+                )  # fmt: skip
+                self._withdraw(placement, writes)
+                removed += 1
+        return removed
+
+    def placement_ended(self, run_id: str, attempt: int) -> None:
+        self._delete_commits(placements_of(run_id, attempt))
+
+    def _delete_commits(self, which: re.Pattern[str]) -> int:
+        prefix = placements_prefix(self.etcd)
+        commits, _ = self.etcd.get_prefix(prefix, keys_only=True)
+        return sum(
+            self.etcd.delete(kv.key) for kv in commits if which.fullmatch(kv.key[len(prefix) :])
+        )
 
     def start(self, launch: Launch, index: int) -> Member:
         """The member as `reserve` placed it (its agent started it on its own)."""
@@ -157,16 +295,10 @@ class AgentsLauncher:
     def exit_code(self, member: Member) -> int | None:
         agent_id, name = _parts(member)
         try:
-            result = self.etcd.transaction(
-                [
-                    Get(report_key(self.etcd, agent_id, name)),
-                    Get(assignment_key(self.etcd, agent_id, name)),
-                ]
-            )
+            report, assigned = self._report_or_assigned(agent_id, name)
         except EtcdError as exc:
             log.warning("member %s: %s", name, exc)
             return None  # asked again next tick
-        report, assignment = result.reads
         if report is not None:
             try:
                 state = Report.model_validate_json(report.value)
@@ -178,7 +310,21 @@ class AgentsLauncher:
             if state.state == "refused":
                 log.warning("member %s: %s", name, state.reason)
             return VANISHED if state.exit_code is None else state.exit_code
-        return None if assignment is not None else VANISHED  # assigned, not yet started
+        return None if assigned else VANISHED  # assigned, not yet started
+
+    def _report_or_assigned(self, agent_id: str, name: str) -> tuple[KeyValue | None, bool]:
+        """The member's report, or (none yet) whether it is still assigned. Plain reads,
+        not one read-only transaction (etcd before 3.5.5 panics on one that times out
+        under load, etcd#14110; this is asked for every member every tick): its agent
+        writes the report with the assignment's deletion, and a deleted assignment never
+        comes back, so a report missing before the assignment was found gone is read
+        again."""
+        report = self.etcd.get(report_key(self.etcd, agent_id, name))
+        if report is not None:
+            return report, True
+        if self.etcd.get(assignment_key(self.etcd, agent_id, name)) is not None:
+            return None, True
+        return self.etcd.get(report_key(self.etcd, agent_id, name)), False
 
     def terminate(self, member: Member) -> None:
         self._stop(member, "SIGTERM")
@@ -231,13 +377,56 @@ class AgentsLauncher:
         return record.address, record.token
 
     def remove(self, run_id: str) -> int:
-        """Forget the submission's member reports (the agents keep their output files)."""
+        """Forget the submission's member reports and placement commits (the agents keep
+        their output files)."""
         reports, _ = self.etcd.get_prefix(reports_prefix(self.etcd), keys_only=True)
         removed = 0
         for kv in reports:
             if kv.key.rpartition("/")[2].startswith(f"{run_id}-a"):
                 removed += self.etcd.delete(kv.key)
-        return removed
+        return removed + self._delete_commits(placements_of(run_id))
+
+
+def _assignment(launch: Launch, index: int, gpus: tuple[int, ...]) -> dict[str, object]:
+    """What member `index` runs, as its agent reads it (`agent_keys.Assignment`)."""
+    command = launch.command
+    assignment: dict[str, object] = {
+        "run_id": launch.run_id,
+        "attempt": launch.attempt,
+        "index": index,
+        "worker_args": command.options(),
+    }
+    if command.program is not None:  # the command kind: its agent passes env and folder on
+        assignment["command"] = list(command.program)
+        if command.program_env:
+            assignment["env"] = command.program_env
+        if command.working_dir:
+            assignment["working_dir"] = command.working_dir
+    if gpus:
+        assignment["gpus"] = list(gpus)
+    if launch.credentials is not None:  # the assignment is readable by its agent only
+        assignment["credentials"] = {
+            "user": launch.credentials.user,
+            "password": launch.credentials.password,
+        }
+    return assignment
+
+
+def _placement_of(kv: KeyValue) -> str | None:
+    """The placement an assignment names, if it names a well-formed one (the assignments
+    are the service's own writing, but read back, they are checked)."""
+    try:
+        placement = json.loads(kv.value).get("placement")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(placement, str) and re.match(PLACEMENT_PATTERN, placement):
+        return placement
+    return None
+
+
+def _just(key: str) -> bytes:
+    """The range end that selects `key` alone."""
+    return key.encode() + b"\0"
 
 
 def _registration(kv: KeyValue) -> AgentRecord | None:
