@@ -264,3 +264,22 @@ def test_a_closed_clients_watches_end_with_it(etcd_server: EmbeddedEtcd) -> None
     assert not stream.is_alive(), "the watch stream ends with its client"
     # (its end was told to the watch before the thread ended: a resume would be running)
     assert not [t for t in threading.enumerate() if t.name == "etcd-watch-resume"]
+
+
+def test_reads_alone_are_read_at_one_revision_without_a_transaction(etcd: Etcd) -> None:
+    """A read-only transaction that runs out of time crashes etcd before 3.5.5 (etcd#14110):
+    reads alone go as ranges, all at the first one's revision, as a transaction reads."""
+    first = etcd.put(etcd.key("snap", "a"), "1")
+    etcd.put(etcd.key("snap", "b"), "2")
+    before = etcd.operations
+    result = etcd.transaction(
+        [
+            Get(etcd.key("snap", "a")),
+            First(etcd.key("snap", "b"), prefix_end(etcd.key("snap", "b"))),
+            Get(etcd.key("snap", "none")),
+        ]
+    )
+    assert etcd.operations - before == 3  # three ranges, not one transaction
+    assert result.succeeded and result.revision >= first
+    assert [kv.value if kv else None for kv in result.reads] == [b"1", b"2", None]
+    assert all(kv is None or kv.mod_revision <= result.revision for kv in result.reads)
