@@ -5,8 +5,9 @@ etcd on loopback. After the rendezvous and the start barrier, every member
 runs `--steps` steps of `wait_turn` + `complete` with no work in between; the
 time per step is the whole job's wall time over the steps. Operations are the
 requests each member's client sent during the steps (transactions, puts,
-reads, watch creations, lease keepalives), per worker per step; reads and
-watches per check are the peer clocks a check read and the watches it created.
+reads, watch creations, lease keepalives), per worker per step; reads per
+check are the peer clocks a check read (no check creates a watch: a worker
+makes its watches once, at the start).
 The floor, measured in the same run: one put and the watch notification it
 causes, seen by another client.
 
@@ -103,12 +104,11 @@ def member(endpoint: str, namespace: str, p: int, spec: BarrierSpec, steps: int)
             "ended": ended,
             "ops": after - before,
             "reads": barrier.counters.reads / checks,
-            "watches": barrier.counters.watches / checks,
         }
 
 
 def measure(endpoint: str, p: int, spec: BarrierSpec, steps: int) -> dict[str, float]:
-    """Seconds per step, etcd operations per worker per step, reads and watches per check."""
+    """Seconds per step, etcd operations per worker per step, reads per check."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
     context = multiprocessing.get_context("spawn")  # no fork: the parent holds gRPC threads
     with context.Pool(p) as pool:
@@ -117,7 +117,6 @@ def measure(endpoint: str, p: int, spec: BarrierSpec, steps: int) -> dict[str, f
         "per_step": (max(r["ended"] for r in results) - min(r["began"] for r in results)) / steps,
         "ops": sum(r["ops"] for r in results) / p / steps,
         "reads": statistics.mean(r["reads"] for r in results),
-        "watches": statistics.mean(r["watches"] for r in results),
     }
 
 
@@ -150,7 +149,7 @@ def main(
         )
         step_column = "ms/step" if repeat == 1 else f"ms/step (median of {repeat}: range)"
         columns = ("P", "method", step_column, "x floor", "CPU bound ms", "x CPU bound")
-        for column in (*columns, "ops/worker/step", "reads/check", "watches/check"):
+        for column in (*columns, "ops/worker/step", "reads/check"):
             table.add_column(column, justify="right")
         for p in (int(s) for s in sizes.split(",")):
             runs: dict[BarrierSpec, list[dict[str, float]]] = {spec: [] for spec in specs}
@@ -175,7 +174,6 @@ def main(
                     f"{result['per_step'] / bound:.1f}",
                     f"{result['ops']:.2f}",
                     f"{result['reads']:.2f}",
-                    f"{result['watches']:.2f}",
                 )
     console.print(table)
 
