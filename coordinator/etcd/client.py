@@ -23,6 +23,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -535,7 +536,16 @@ class _Watcher(Watcher):
 
     def __init__(self, stub: etcdrpc.WatchStub, timeout: float, metadata: Any) -> None:
         super().__init__(_RecordingStub(stub, self), timeout=timeout, metadata=metadata)
-        self.stream: grpc.Future | None = None  # the stream running now
+        # The stream running now, weakly: a strong reference would keep it for the
+        # interpreter's last collection, whose `__del__` of it then waits for ever on a
+        # lock that the (frozen) daemon thread reading it holds: the program never exits.
+        self.stream: weakref.ref[grpc.Future] | None = None
+
+    def join(self, timeout: float) -> None:
+        """Wait for the stream's thread to end (not from the thread itself)."""
+        thread = self._callback_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _run(self) -> None:
         try:
@@ -545,7 +555,7 @@ class _Watcher(Watcher):
 
     def close(self) -> None:
         super().close()  # type: ignore[misc]
-        stream = self.stream
+        stream = self.stream() if self.stream is not None else None
         if stream is not None:
             stream.cancel()
 
@@ -558,7 +568,7 @@ class _RecordingStub:
 
     def Watch(self, *args: Any, **kwargs: Any) -> Any:  # (the stub method's name)
         stream = self._stub.Watch(*args, **kwargs)
-        self._watcher.stream = stream
+        self._watcher.stream = weakref.ref(stream)
         return stream
 
 
@@ -876,6 +886,7 @@ class Etcd:
             self._channel, self._stubs = None, None
         if stubs is not None:
             stubs[2].close()
+            stubs[2].join(1.0)  # (its stream ends at once: a process may exit cleanly)
         if channel is not None:
             _retire(channel)
 
