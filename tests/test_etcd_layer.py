@@ -283,3 +283,22 @@ def test_reads_alone_are_read_at_one_revision_without_a_transaction(etcd: Etcd) 
     assert result.succeeded and result.revision >= first
     assert [kv.value if kv else None for kv in result.reads] == [b"1", b"2", None]
     assert all(kv is None or kv.mod_revision <= result.revision for kv in result.reads)
+
+
+def test_a_watch_whose_creation_timed_out_gets_a_new_stream(etcd: Etcd) -> None:
+    """The library pairs watch creations with etcd's answers by order: the late answer
+    to a creation that timed out would be taken for the next one's, which then gets
+    another watch's events and never its own. The client moves to a new stream."""
+    stale = etcd._watcher()
+    stale.timeout = 0  # its next creation times out before etcd can answer
+    first: list[str] = []
+    second: list[str] = []
+    a = etcd.watch(etcd.key("pair", "a"), lambda es: first.extend(e.key for e in es), 0)
+    b = etcd.watch(etcd.key("pair", "b"), lambda es: second.extend(e.key for e in es), 0)
+    assert etcd._watcher() is not stale
+    etcd.put(etcd.key("pair", "a"), "1")
+    etcd.put(etcd.key("pair", "b"), "2")
+    wait_until(lambda: first and second, 10, "each watch to see its own put")
+    assert first == [etcd.key("pair", "a")] and second == [etcd.key("pair", "b")]
+    a.cancel()
+    b.cancel()

@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 from pyetcd import etcdrpc
-from pyetcd.exceptions import RevisionCompactedError
+from pyetcd.exceptions import RevisionCompactedError, WatchTimedOut
 from pyetcd.watch import Watcher
 
 from coordinator.etcd.security import EtcdSecurity, SecurityError, TokenAuth, token_rejected
@@ -403,6 +403,9 @@ class Watch:
             events = []
             for event in response.events:  # type: ignore[attr-defined]
                 kv, prev = event._event.kv, event._event.prev_kv
+                if not self._covers(kv.key):  # (another watch's: see _renew_watcher)
+                    log.warning("watch on %s got an event of %r: ignored", self._key, kv.key)
+                    continue
                 kind: Literal["put", "delete"] = "delete" if event._event.type else "put"
                 events.append(
                     WatchEvent(
@@ -428,20 +431,31 @@ class Watch:
             # one, which waited for the first, queue its request to a stream that died
             # meanwhile (as all do when a member dies), where it times out unanswered.
             with self._etcd._watch_lock:
-                return self._etcd._watcher().add_callback(
-                    self._key,
-                    on_response,
-                    range_end=self._range_end,
-                    start_revision=self._next_revision,
-                    filters=self._filters,
-                    prev_kv=self._prev_kv,
-                )
+                watcher = self._etcd._watcher()
+                try:
+                    return watcher.add_callback(
+                        self._key,
+                        on_response,
+                        range_end=self._range_end,
+                        start_revision=self._next_revision,
+                        filters=self._filters,
+                        prev_kv=self._prev_kv,
+                    )
+                except WatchTimedOut:
+                    self._etcd._renew_watcher(watcher)
+                    raise
 
         try:
             self._watch_id = self._etcd._call(add)
         except RevisionCompactedError as exc:  # compacted before the watch was created
             self._resync(exc.compacted_revision)
             self._register()
+
+    def _covers(self, key: bytes) -> bool:
+        start = self._key.encode()
+        if self._range_end is None:
+            return key == start
+        return start <= key < self._range_end
 
     def _remember(self, events: list[WatchEvent]) -> None:
         for event in events:
@@ -536,6 +550,7 @@ class _Watcher(Watcher):
 
     def __init__(self, stub: etcdrpc.WatchStub, timeout: float, metadata: Any) -> None:
         super().__init__(_RecordingStub(stub, self), timeout=timeout, metadata=metadata)
+        self.stub, self.metadata = stub, metadata
         # The stream running now, weakly: a strong reference would keep it for the
         # interpreter's last collection, whose `__del__` of it then waits for ever on a
         # lock that the (frozen) daemon thread reading it holds: the program never exits.
@@ -748,6 +763,19 @@ class Etcd:
             return False
         auth = self._auth
         return bool(self._call(lambda _: (self._current(), auth.token())[1]))
+
+    def _renew_watcher(self, stale: _Watcher) -> None:
+        """A new watch stream in place of one where a watch's creation timed out: the
+        library pairs creations with etcd's answers by order, so that creation's late
+        answer would be taken for the next one's (which then gets another watch's events
+        and never its own). The old stream's watches resume on the new one."""
+        with self._lock:
+            if self._stubs is None or self._stubs[2] is not stale:
+                return
+            kv, lease, _, auth = self._stubs
+            fresh = _Watcher(stale.stub, timeout=self.timeout, metadata=stale.metadata)
+            self._stubs = (kv, lease, fresh, auth)
+        stale.close()
 
     def _rotate(self, generation: int) -> None:
         """Move to the next endpoint, unless another thread already moved on from the
