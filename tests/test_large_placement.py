@@ -233,6 +233,14 @@ class PlacementWatch:
         self._watch.cancel()
 
 
+def three_agents(start: Any, etcd: Etcd, *options: str) -> None:
+    """Agents agent-0..2 with these options, registered."""
+    for n in range(3):
+        start("--id", f"agent-{n}", *options)
+    for n in range(3):
+        wait_until(lambda n=n: registered(etcd, f"agent-{n}"), 30, f"agent-{n} to register")
+
+
 def _nothing_left(etcd: Etcd) -> bool:
     for what in ("assignments", "placements"):
         if etcd.count_prefix(etcd.key(what) + "/"):
@@ -246,10 +254,7 @@ def test_a_job_bigger_than_one_transaction_runs_whole_and_leaves_nothing(
     etcd: Etcd,
     slots: SlotWatch,  # noqa: F811
 ) -> None:
-    for n in range(3):
-        agents("--id", f"agent-{n}", "--slots", "4")
-    for n in range(3):
-        wait_until(lambda n=n: registered(etcd, f"agent-{n}"), 30, f"agent-{n} to register")
+    three_agents(agents, etcd, "--slots", "4")
     watch = PlacementWatch(etcd)
     try:
         service = serve("--default-launcher", "agents", "--max-txn-ops", "6")
@@ -335,10 +340,7 @@ def test_a_job_of_150_workers_places_on_three_agents_with_the_default_limit(
 ) -> None:
     # Leases of 10 s (the fixtures' 2 s are for tests that kill things): 150 members
     # starting at once load the machine far beyond its 2 cores.
-    for n in range(3):
-        agents("--id", f"agent-{n}", "--slots", "50", "--ttl", "10")
-    for n in range(3):
-        wait_until(lambda n=n: registered(etcd, f"agent-{n}"), 30, f"agent-{n} to register")
+    three_agents(agents, etcd, "--slots", "50", "--ttl", "10")
     service = serve("--default-launcher", "agents", "--member-ttl", "10")
     response = service.http.post("/v1/jobs", json={"id": "many", "kind": "noop", "workers": 150})
     assert response.status_code == 201, response.text
