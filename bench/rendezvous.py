@@ -41,7 +41,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from queue import Empty
@@ -72,7 +72,7 @@ class MemberResult:
     passed: dict[str, float]  # phase -> when this member passed it
     holds_roster_at: float  # after connect
     done_at: float  # after cleanup
-    operations: int
+    operations: float
     roster_written_at: float | None
     roster_bytes: int
     roster_size: int  # members in the roster it holds
@@ -88,8 +88,10 @@ def _run_members(
     ready: Any,
     start: ProcessEvent,
     results: Any,
+    shared: bool = False,
 ) -> None:
-    """One process's share: `count` member threads, released by `start`."""
+    """One process's share: `count` member threads, released by `start`; `shared`: all
+    through one etcd client (one connection and one watch stream for the process)."""
     # gRPC's blocking stream reads wake every 0.1 s (so that the main thread's signal
     # handlers run); each member's watch thread blocks in one. A member process has
     # one; this one has hundreds, whose wake-ups (thousands a second) would contend
@@ -98,7 +100,11 @@ def _run_members(
     # On a real deployment etcd has its own host; here it shares two cores with
     # hundreds of members, whose turn comes after etcd's.
     os.nice(10)
-    clients = [Etcd(endpoint, namespace=namespace, connect_timeout=60) for _ in range(count)]
+    if shared:
+        clients = [Etcd(endpoint, namespace=namespace, connect_timeout=60)] * count
+    else:
+        clients = [Etcd(endpoint, namespace=namespace, connect_timeout=60) for _ in range(count)]
+    unique = list({id(c): c for c in clients}.values())
     go = threading.Event()
     outcomes: list[MemberResult | str] = []
     lock = threading.Lock()
@@ -130,15 +136,19 @@ def _run_members(
     threads = [threading.Thread(target=one, args=(c,)) for c in clients]
     for thread in threads:
         thread.start()
-    before = sum(c.operations for c in clients)
-    for c in clients:
+    before = sum(c.operations for c in unique)
+    for c in unique:
         c.operations = 0  # count the rendezvous only, not the connecting
     ready.put(before)
     start.wait()
     go.set()
     for thread in threads:
         thread.join()
-    for c in clients:
+    if shared:  # each member's share of what the one client sent
+        share = unique[0].operations / count
+        outcomes = [replace(o, operations=share) if isinstance(o, MemberResult) else o
+                    for o in outcomes]  # fmt: skip
+    for c in unique:
         c.close()
     # As plain values: a class of this script is not importable by that name in the parent.
     results.put([asdict(o) if isinstance(o, MemberResult) else o for o in outcomes])
@@ -164,6 +174,7 @@ def measure_ours(
     processes: int,
     ttl: int = 10,
     timeout: float = 120.0,
+    shared: bool = False,
 ) -> dict[str, float]:
     """One rendezvous of n members over `processes` processes: phase times and costs."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
@@ -175,7 +186,7 @@ def measure_ours(
     workers = [
         context.Process(
             target=_run_members,
-            args=(n, share, endpoint, namespace, timeout, ttl, ready, start, results),
+            args=(n, share, endpoint, namespace, timeout, ttl, ready, start, results, shared),
             daemon=True,
         )
         for share in shares
@@ -273,6 +284,11 @@ def main(
     ),
     repeats: int = typer.Option(1, min=1, help="runs per N; the median time is shown"),
     ttl: int = typer.Option(10, min=2, help="the members' lease TTL (seconds)"),
+    shared_client: bool = typer.Option(
+        False,
+        help="the members of a process share one etcd client: each client brings gRPC "
+        "threads that wake to poll, so 1,000 clients on 2 cores starve etcd",
+    ),
     skip_torch: bool = typer.Option(False, help="measure only our rendezvous"),
     torch_max: int = typer.Option(256, help="run torch only up to this N"),
     torch_timeout: float = typer.Option(120.0, help="give up on a torch rendezvous after this"),
@@ -305,6 +321,7 @@ def main(
                         metrics_url,
                         min(processes or -(-n // per_process), n),
                         ttl,
+                        shared=shared_client,
                     )
                     for _ in range(repeats)
                 ]

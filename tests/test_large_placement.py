@@ -276,10 +276,13 @@ def test_a_job_bigger_than_one_transaction_runs_whole_and_leaves_nothing(
 
 @pytest.fixture
 def service_in_process(
-    etcd_server: EmbeddedEtcd, namespace: str, tmp_path: Path
+    etcd_server: EmbeddedEtcd, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[..., Service]]:
     """A service in this process (no HTTP): its reconciler, with settings tests lower."""
     started: list[Service] = []
+    # A Service sets the members' default artifacts folder in its process's environment:
+    # here the test's, restored after it (later tests would write their artifacts there).
+    monkeypatch.setenv("COORDINATOR_ARTIFACTS", str(tmp_path / "artifacts"))
 
     def start(**settings: Any) -> Service:
         options = ServiceOptions(
