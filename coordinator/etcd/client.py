@@ -355,6 +355,7 @@ class Watch:
         self._etcd = etcd
         self._prev_kv = prev_kv
         self._key = key
+        self._start = key.encode()  # (compared with every event's key)
         self._range_end = prefix_end(key) if prefix else None
         self._callback = callback
         self._only_deletes = only_deletes
@@ -453,10 +454,9 @@ class Watch:
             self._register()
 
     def _covers(self, key: bytes) -> bool:
-        start = self._key.encode()
         if self._range_end is None:
-            return key == start
-        return start <= key < self._range_end
+            return key == self._start
+        return self._start <= key < self._range_end
 
     def _remember(self, events: list[WatchEvent]) -> None:
         for event in events:
