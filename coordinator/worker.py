@@ -9,6 +9,7 @@ went wrong (see `EXIT_CODES`).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -166,6 +167,8 @@ def run_worker(options: WorkerOptions) -> int:
     except ValueError as exc:
         return _fail(exc, EXIT_USAGE)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # `kill -USR1 <pid>` prints where each thread is to stderr: for a member that seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         etcd = Etcd(
             options.etcd,

@@ -3,8 +3,10 @@ and real processes that are always stopped, also when a test fails."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -80,7 +82,9 @@ class Proc:
     def _read_stderr(self) -> None:
         assert self.process.stderr is not None
         for line in self.process.stderr:
-            self.stderr.append(line.rstrip("\n"))
+            with self._changed:
+                self.stderr.append(line.rstrip("\n"))
+                self._changed.notify_all()
 
     def wait_event(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 30
@@ -103,10 +107,28 @@ class Proc:
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"{self.args[-8:]} still running after {timeout}s") from exc
+            raise AssertionError(
+                f"{self.args[-8:]} still running after {timeout}s; last events "
+                f"{self.events[-3:]}; its threads:\n" + "\n".join(self.threads())
+            ) from exc
         with self._changed:  # let the reader record the exit time and last lines
             self._changed.wait_for(lambda: self.exited_at is not None, timeout=5)
         return code
+
+    def threads(self) -> list[str]:
+        """Where each thread of a member that is still running is (its SIGUSR1 dump)."""
+        with self._changed:
+            start = len(self.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGUSR1)
+            self._changed.wait_for(
+                lambda: any("Current thread" in line for line in self.stderr[start:]), timeout=5
+            )
+            seen = 0
+            while seen < len(self.stderr):  # until the dump's lines stop coming
+                seen = len(self.stderr)
+                self._changed.wait_for(lambda n=seen: len(self.stderr) > n, timeout=0.5)
+            return self.stderr[start:]
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -151,7 +151,7 @@ GOOD = {
     "index": 1,
     "worker_args": ["--job", "j1", "--world-size", "2", "--etcd", "127.0.0.1:2379",
                     "--namespace", "/ns", "--kind", "noop", "--ttl", "10",
-                    "--param", "data=in/rows.csv"],
+                    "--connect-timeout", "10.0", "--param", "data=in/rows.csv"],
     "credentials": {"user": "/ns/jobs/j1", "password": "p" * 43},
 }  # fmt: skip
 
@@ -171,6 +171,7 @@ def _check(assignment: dict[str, Any], data_dir: Path) -> Assignment:
         ({"index": 2}, "not below --world-size"),
         ({"worker_args": [*GOOD["worker_args"], "--etcd-password-file", "/x"]}, "not an option"),
         ({"worker_args": [*GOOD["worker_args"], "--job", "j2"]}, "more than once"),
+        ({"worker_args": [*GOOD["worker_args"][:12], "--connect-timeout", "0.5"]}, "1..3600"),
         ({"worker_args": [*GOOD["worker_args"], "--param", "data=/etc/shadow"]}, "outside"),
         ({"worker_args": [*GOOD["worker_args"], "--param", "out=../../x"]}, "outside"),
         ({"worker_args": [*GOOD["worker_args"], "--param", "out=~/x"]}, "outside"),

@@ -302,3 +302,30 @@ def test_a_watch_whose_creation_timed_out_gets_a_new_stream(etcd: Etcd) -> None:
     assert first == [etcd.key("pair", "a")] and second == [etcd.key("pair", "b")]
     a.cancel()
     b.cancel()
+
+
+def test_watch_cancels_never_wait_on_a_stream_that_stopped_reading(etcd: Etcd) -> None:
+    """A stream whose thread is busy in a callback when its call ends reads none of the
+    requests queued meanwhile. Cancelling many watches then must not wait: the library's
+    bounded queue would hold its lock for ever, and every watch and keepalive with it."""
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(events: list[WatchEvent]) -> None:
+        busy.set()
+        release.wait(30)
+
+    holding = etcd.watch(etcd.key("stuck", "hold"), hold, 0)
+    watches = [etcd.watch(etcd.key("stuck", str(i)), lambda es: None, 0) for i in range(12)]
+    watcher = etcd._watcher()
+    etcd.put(etcd.key("stuck", "hold"), "1")
+    wait_until(busy.is_set, 10, "the stream's thread to be in the callback")
+    assert watcher.stream is not None
+    stream = watcher.stream()
+    assert stream is not None
+    stream.cancel()  # the call ends: nothing reads its requests any more
+    cancelling = threading.Thread(target=lambda: [w.cancel() for w in watches], daemon=True)
+    cancelling.start()
+    cancelling.join(10)
+    release.set()
+    assert not cancelling.is_alive(), "a watch's cancel waited on the stopped stream"
+    holding.cancel()

@@ -344,7 +344,10 @@ def test_a_job_of_150_workers_places_on_three_agents_with_the_default_limit(
     # Leases of 10 s (the fixtures' 2 s are for tests that kill things): 150 members
     # starting at once load the machine far beyond its 2 cores.
     three_agents(agents, etcd, "--slots", "50", "--ttl", "10")
-    service = serve("--default-launcher", "agents", "--member-ttl", "10")
+    # (and 60 s to reach etcd, which those 150 starting processes starve of CPU)
+    service = serve(
+        "--default-launcher", "agents", "--member-ttl", "10", "--member-connect-timeout", "60"
+    )
     response = service.http.post("/v1/jobs", json={"id": "many", "kind": "noop", "workers": 150})
     assert response.status_code == 201, response.text
     record = wait_state(service, "many", {"SUCCEEDED", "FAILED"}, timeout=240)

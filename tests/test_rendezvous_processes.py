@@ -147,6 +147,17 @@ def test_one_member_too_many_gets_job_full(etcd_server: EmbeddedEtcd, etcd: Etcd
     assert all(h.process.poll() is None for h in holders)
 
 
+def test_a_waiting_member_shows_its_threads_on_sigusr1_and_goes_on(
+    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn
+) -> None:
+    """`kill -USR1` is how a user sees where a member that seems stuck waits."""
+    waiting = spawn(worker_args(etcd_server.endpoint, etcd.namespace, "job", 2))
+    wait_until(lambda: etcd.get_prefix(etcd.key("jobs", "job") + "/")[0], 30, "its arrival")
+    dump = "\n".join(waiting.threads())
+    assert "in leader_election" in dump and "in _keepalive" in dump  # (and its lease's)
+    assert waiting.process.poll() is None
+
+
 def test_wrong_etcd_address_fails_fast_with_a_clear_message(namespace: str, spawn) -> None:
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))

@@ -76,6 +76,14 @@ def serve(
     ] = "",
     grace: Annotated[float, typer.Option(min=0, help="seconds from SIGTERM to SIGKILL")] = 10.0,
     member_ttl: Annotated[int, typer.Option(min=2, help="lease TTL of the members")] = 10,
+    member_connect_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="seconds a member waits for etcd, at its start and on each request "
+            "(raise it on hosts that start many members at once)",
+        ),
+    ] = 10.0,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -247,6 +255,7 @@ def serve(
         gpus=gpu_ids,
         grace=grace,
         member_ttl=member_ttl,
+        member_connect_timeout=member_connect_timeout,
         tokens=tokens,
         default_launcher=default_launcher,
         max_txn_ops=max_txn_ops,

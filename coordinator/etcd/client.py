@@ -62,6 +62,8 @@ PING_TIMEOUT = 5.0
 #: (SIGSEGV) when a call starts through an authenticating channel that is closed.
 RETIRE_SECONDS = 10.0
 
+#: The shortest attempt of a request whose retry window is nearly over.
+MIN_ATTEMPT = 0.1
 #: Attempts of a request that run out of `attempt_timeout` before its deadline grows.
 SHORT_ATTEMPTS = 3
 
@@ -557,6 +559,19 @@ class _Watcher(Watcher):
         # lock that the (frozen) daemon thread reading it holds: the program never exits.
         self.stream: weakref.ref[grpc.Future] | None = None
 
+    # The library bounds its request queue at 10 and puts into it under its lock. Once a
+    # stream stops reading its requests (cancelled, or stuck), the 11th put (a watch's
+    # cancel, say) waits for ever holding that lock, and so does all that needs it: the
+    # stream's own ending, every other watch, a keepalive moving to another member. So
+    # the queue the library sets is replaced by an unbounded one, where a put never waits.
+    @property
+    def _request_queue(self) -> queue.Queue[Any]:
+        return self._requests
+
+    @_request_queue.setter
+    def _request_queue(self, bounded: queue.Queue[Any]) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+
     def join(self, timeout: float) -> None:
         """Wait for the stream's thread to end (not from the thread itself)."""
         thread = self._callback_thread
@@ -570,16 +585,12 @@ class _Watcher(Watcher):
             log.debug("watch stream on a closed connection: %s", exc)
 
     def close(self) -> None:
-        """End the stream, never blocking: the library's own close puts its end marker
-        into a bounded queue under its lock, which waits for ever once a stuck stream has
-        let the queue fill."""
+        """End the stream at once: the library's close only queues an end marker, which
+        a stuck stream would never read."""
         stream = self.stream() if self.stream is not None else None
         if stream is not None:
             stream.cancel()
-        with self._lock:
-            if self._callback_thread and not self._stopping:
-                with contextlib.suppress(queue.Full):
-                    self._request_queue.put_nowait(None)
+        super().close()
 
 
 class _RecordingStub:
@@ -820,8 +831,10 @@ class Etcd:
         while True:
             self.operations += 1
             generation, timeouts_before = self._generation, timeouts
+            # (never past the window: a caller bounds its wait by it)
+            timeout = min(attempt_timeout, max(deadline - time.monotonic(), MIN_ATTEMPT))
             try:
-                return request({"timeout": attempt_timeout, "metadata": REQUIRE_LEADER})
+                return request({"timeout": timeout, "metadata": REQUIRE_LEADER})
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:

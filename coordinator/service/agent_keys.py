@@ -65,6 +65,7 @@ WORKER_OPTIONS = {
     "--namespace": False,
     "--kind": False,
     "--ttl": False,
+    "--connect-timeout": False,
     "--param": True,
 }
 
@@ -223,6 +224,8 @@ class Assignment(BaseModel):
             raise ValueError("--world-size must be a whole number of 1..1024")
         if command.ttl is not None and not 2 <= command.ttl <= 3600:
             raise ValueError("--ttl must be a whole number of seconds, 2..3600")
+        if command.connect_timeout is not None and not 1 <= command.connect_timeout <= 3600:
+            raise ValueError("--connect-timeout must be 1..3600 seconds")
         context = info.context or {}
         namespace = context.get("namespace")
         if namespace is not None and _namespace(command) != namespace:

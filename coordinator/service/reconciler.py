@@ -95,6 +95,7 @@ class ReconcilerSettings:
     max_workers: int
     grace: float = 10.0  # seconds between SIGTERM and SIGKILL
     member_ttl: int = 10
+    member_connect_timeout: float = 10.0
     tick: float = 0.25
     progress_interval: float = 0.5  # at most this often a job's progress is written
 
@@ -435,6 +436,7 @@ class Reconciler:
             namespace=self.settings.namespace,
             kind=spec.kind,
             ttl=self.settings.member_ttl,
+            connect_timeout=self.settings.member_connect_timeout,
             params=params,
             # A list, never joined; its env and folder reach the member by its environment.
             program=tuple(spec.command) if is_command and spec.command else None,

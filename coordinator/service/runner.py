@@ -42,6 +42,7 @@ class ServiceOptions:
     gpus: tuple[int, ...] = ()  # what local members may get (`serve --gpus`)
     grace: float = 10.0
     member_ttl: int = 10
+    member_connect_timeout: float = 10.0
     leader_ttl: int = 5
     tokens: Tokens | None = None
     default_launcher: Launcher = Launcher.LOCAL
@@ -127,6 +128,7 @@ class Service:
             max_workers=options.max_workers,
             grace=options.grace,
             member_ttl=options.member_ttl,
+            member_connect_timeout=options.member_connect_timeout,
         )
         self.reconciler = Reconciler(
             self.etcd, self.store, self.launchers, settings, self.leadership
