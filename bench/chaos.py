@@ -13,8 +13,9 @@ at random moments, one fault at a time: SIGKILL the service leader, an agent, th
 etcd leader or a job's member, or cut a service's or an agent's way to etcd for
 longer than its lease. Killed processes come back after a few seconds.
 
-Then the faults stop, every job is waited for, everything is stopped cleanly, and
-what must hold is checked (`Report.problems`):
+Then, once every kind of fault came once at least, the faults stop, every job is
+waited for, everything is stopped cleanly, and what must hold is checked
+(`Report.problems`):
 
 - every accepted job exists and is final, its state its last condition's;
 - no job ran twice at once: its attempts do not overlap, and no two runs of one
@@ -478,6 +479,10 @@ def soak(
             else:
                 report.problems.append(f"{spec['id']}: no replica accepted it within 60 s")
             n += 1
+        while len(report.faults) < len(FAULTS):  # every kind of fault once at least
+            time.sleep(max(0.0, next_fault - time.monotonic()))  # the fault schedule
+            chaos.inject(FAULTS[len(report.faults)])
+            next_fault = time.monotonic() + fault_every * chaos.random.uniform(0.5, 1.5)
         check_jobs(chaos, report, drain)
         check_witness(chaos, report)
         delete_jobs(chaos, report)
