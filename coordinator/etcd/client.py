@@ -780,7 +780,7 @@ class Etcd:
         if self._auth is None:
             return False
         auth = self._auth
-        return bool(self._call(lambda _: (self._current(), auth.token())[1]))
+        return bool(self._call(lambda o: (self._current(), auth.token(o["timeout"]))[1]))
 
     def _renew_watcher(self, stale: _Watcher) -> None:
         """A new watch stream in place of one where a watch's creation timed out: the

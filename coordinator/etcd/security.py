@@ -174,33 +174,43 @@ class TokenAuth(
             if token is None or token == self._token:
                 self._token = None
 
-    def token(self) -> str:
-        """The current token, authenticating first if there is none.
+    def token(self, timeout: float | None = None) -> str:
+        """The current token, authenticating first if there is none (for at most
+        `timeout`, the call's own deadline, or this client's request timeout).
 
-        Raises grpc.RpcError as the call would (etcd's refusal of the password,
-        or a TLS failure); an unreadable password file raises SecurityError.
+        The lock is not held while etcd answers: a member without a leader answers an
+        Authenticate only at its deadline, and every other call (a keepalive, a watch,
+        a move to the next member) would wait behind it. Raises grpc.RpcError as the
+        call would (etcd's refusal of the password, or a TLS failure); an unreadable
+        password file raises SecurityError.
         """
         with self._lock:
-            if self._token is None:
-                assert self._stub is not None and self.security.user is not None
-                try:
-                    password = self.security.password()
-                except OSError as exc:
-                    raise SecurityError(
-                        "--etcd-password-file", f"cannot read the etcd password file: {exc}"
-                    ) from None
-                request = etcdrpc.AuthenticateRequest(name=self.security.user, password=password)
-                try:
-                    self._token = self._stub.Authenticate(request, timeout=self.timeout).token
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
-                        raise
-                    self._token = ""  # "authentication is not enabled": nothing to send
-                self.authentications += 1
-            return self._token
+            if self._token is not None:
+                return self._token
+            stub = self._stub
+        assert stub is not None and self.security.user is not None
+        try:
+            password = self.security.password()
+        except OSError as exc:
+            raise SecurityError(
+                "--etcd-password-file", f"cannot read the etcd password file: {exc}"
+            ) from None
+        request = etcdrpc.AuthenticateRequest(name=self.security.user, password=password)
+        try:
+            deadline = min(timeout or self.timeout, self.timeout)
+            token = stub.Authenticate(request, timeout=deadline).token
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+                raise
+            token = ""  # "authentication is not enabled": nothing to send
+        with self._lock:
+            self.authentications += 1
+            if self._stub is stub:  # (not for a connection the client has left meanwhile)
+                self._token = token
+        return token
 
     def _details(self, details: grpc.ClientCallDetails) -> tuple[grpc.ClientCallDetails, str]:
-        token = self.token()
+        token = self.token(details.timeout)
         if not token:
             return details, token
         metadata = [*(details.metadata or ()), ("token", token)]
