@@ -49,7 +49,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from coordinator.etcd.client import Etcd, EtcdError, Put, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
+from coordinator.etcd.txn import Put
 from coordinator.etcd.users import (
     CannotManageUsers,
     Credentials,
@@ -59,6 +61,7 @@ from coordinator.etcd.users import (
     provision_job,
     revoke_job,
 )
+from coordinator.etcd.watch import WatchEvent
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
