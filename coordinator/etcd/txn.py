@@ -51,6 +51,16 @@ def prefix_end(prefix: str) -> bytes:
 # -- conditions: each fills an `etcdrpc.Compare` in place (`fill`) --------------------
 
 
+class _Condition:
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        raise NotImplementedError
+
+    def compare(self) -> etcdrpc.Compare:
+        compare = etcdrpc.Compare()
+        self.fill(compare)
+        return compare
+
+
 _RELATIONS = {
     "<": etcdrpc.Compare.LESS,
     "=": etcdrpc.Compare.EQUAL,
@@ -59,7 +69,7 @@ _RELATIONS = {
 
 
 @dataclass(frozen=True)
-class ValueIs:
+class ValueIs(_Condition):
     """A condition: `key` exists and its value is `<`, `=` or `>` `than` (as bytes)."""
 
     key: str
@@ -70,12 +80,9 @@ class ValueIs:
         compare.key, compare.result = self.key.encode(), _RELATIONS[self.relation]
         compare.target, compare.value = etcdrpc.Compare.VALUE, to_bytes(self.than)
 
-    def compare(self) -> etcdrpc.Compare:
-        return _compare(self)
-
 
 @dataclass(frozen=True)
-class CreatedAt:
+class CreatedAt(_Condition):
     """`key` exists and is the version created at `revision` (not a successor)."""
 
     key: str
@@ -85,12 +92,9 @@ class CreatedAt:
         compare.key, compare.result = self.key.encode(), etcdrpc.Compare.EQUAL
         compare.target, compare.create_revision = etcdrpc.Compare.CREATE, self.revision
 
-    def compare(self) -> etcdrpc.Compare:
-        return _compare(self)
-
 
 @dataclass(frozen=True)
-class QuietSince:
+class QuietSince(_Condition):
     """No key under `prefix` was written after `revision` (deletions aside)."""
 
     prefix: str
@@ -101,12 +105,9 @@ class QuietSince:
         compare.result, compare.target = etcdrpc.Compare.LESS, etcdrpc.Compare.MOD
         compare.mod_revision = self.revision + 1
 
-    def compare(self) -> etcdrpc.Compare:
-        return _compare(self)
-
 
 @dataclass(frozen=True)
-class Unchanged:
+class Unchanged(_Condition):
     """`key` is still at `mod_revision` (0: it does not exist)."""
 
     key: str
@@ -116,12 +117,9 @@ class Unchanged:
         compare.key, compare.result = self.key.encode(), etcdrpc.Compare.EQUAL
         compare.target, compare.mod_revision = etcdrpc.Compare.MOD, self.mod_revision
 
-    def compare(self) -> etcdrpc.Compare:
-        return _compare(self)
-
 
 @dataclass(frozen=True)
-class Empty:
+class Empty(_Condition):
     """No key in `[start, end)` (`end` exclusive, as bytes: `prefix_end` for a prefix)."""
 
     start: str
@@ -132,17 +130,8 @@ class Empty:
         compare.result, compare.target = etcdrpc.Compare.EQUAL, etcdrpc.Compare.VERSION
         compare.version = 0
 
-    def compare(self) -> etcdrpc.Compare:
-        return _compare(self)
-
 
 Guard = ValueIs | CreatedAt | QuietSince | Unchanged | Empty
-
-
-def _compare(condition: Guard) -> etcdrpc.Compare:
-    compare = etcdrpc.Compare()
-    condition.fill(compare)
-    return compare
 
 
 # Each operation fills a `RequestOp` in place (`into`): building a transaction's
