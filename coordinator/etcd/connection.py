@@ -28,7 +28,7 @@ from pyetcd import etcdrpc
 
 from coordinator.etcd.errors import EtcdError, EtcdRefused, EtcdUnavailable, LeaseNotFound, refusal
 from coordinator.etcd.security import EtcdSecurity, SecurityError, TokenAuth, token_rejected
-from coordinator.etcd.watch import _Watcher
+from coordinator.etcd.stream import WatchStream
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ class Connection:
         self._index = random.randrange(len(self.endpoints))
         self._generation = 0  # of the connection: bumped at every move to another endpoint
         self._channel: grpc.Channel | None = None
-        self._stubs: tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, _Watcher, etcdrpc.AuthStub] | None = (
-            None
-        )
+        self._stubs: (
+            tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, WatchStream, etcdrpc.AuthStub] | None
+        ) = None
         self._closed = False
         self.operations = 0  # requests sent, for benchmarks
 
@@ -151,7 +151,7 @@ class Connection:
             root_certificates=files["ca"], private_key=files["key"], certificate_chain=files["cert"]
         )
 
-    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, _Watcher, etcdrpc.AuthStub]:
+    def _current(self) -> tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, WatchStream, etcdrpc.AuthStub]:
         with self._lock:
             if self._closed:
                 raise EtcdError("etcd client is closed")
@@ -189,7 +189,7 @@ class Connection:
                 self._stubs = (
                     etcdrpc.KVStub(channel),
                     etcdrpc.LeaseStub(channel),
-                    _Watcher(
+                    WatchStream(
                         etcdrpc.WatchStub(channel), timeout=self.timeout, metadata=REQUIRE_LEADER
                     ),
                     etcdrpc.AuthStub(channel),
@@ -202,7 +202,7 @@ class Connection:
     def _lease(self) -> etcdrpc.LeaseStub:
         return self._current()[1]
 
-    def _watcher(self) -> _Watcher:
+    def _watcher(self) -> WatchStream:
         return self._current()[2]
 
     def auth_api(self, method: str, request: Any) -> Any:
@@ -219,7 +219,7 @@ class Connection:
         auth = self._auth
         return bool(self._call(lambda _: (self._current(), auth.token())[1]))
 
-    def _renew_watcher(self, stale: _Watcher) -> None:
+    def _renew_watcher(self, stale: WatchStream) -> None:
         """A new watch stream in place of one where a watch's creation timed out: the
         library pairs creations with etcd's answers by order, so that creation's late
         answer would be taken for the next one's (which then gets another watch's events
@@ -228,7 +228,7 @@ class Connection:
             if self._stubs is None or self._stubs[2] is not stale:
                 return
             kv, lease, _, auth = self._stubs
-            fresh = _Watcher(stale.stub, timeout=self.timeout, metadata=stale.metadata)
+            fresh = WatchStream(stale.stub, timeout=self.timeout, metadata=stale.metadata)
             self._stubs = (kv, lease, fresh, auth)
         stale.close()
 
