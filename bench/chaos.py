@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import contextlib
 import itertools
 
-from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.server import free_port
 from tests.etcd_cluster import EtcdCluster, Link
 

@@ -37,8 +37,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from coordinator.etcd.client import Etcd, EtcdError, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.watch import WatchEvent
 from tests.etcd_cluster import EtcdCluster
 
 console = Console(width=150)

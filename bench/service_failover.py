@@ -40,7 +40,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import ENV, EtcdSecurity
 from tests.etcd_cluster import EtcdCluster, Link
 from tests.test_service import ServiceProc, kill_members

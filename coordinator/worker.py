@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from coordinator.etcd.client import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.connection import parse_endpoints
+from coordinator.etcd.errors import EtcdError, EtcdUnavailable
 from coordinator.etcd.names import check_name
 from coordinator.events import Done, Failed, Phase, RosterView, TimelineEntry, emit
 from coordinator.exit_codes import (

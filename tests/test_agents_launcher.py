@@ -19,8 +19,9 @@ from typing import Any
 import psutil
 import pytest
 
-from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import Session
+from coordinator.etcd.watch import WatchEvent
 from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import Launch
 from coordinator.service.launchers.agents import AgentsLauncher

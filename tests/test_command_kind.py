@@ -445,7 +445,7 @@ def test_a_program_after_dashes_means_kind_command_and_the_cause_sets_the_run_co
 def test_published_ports_are_checked_before_use() -> None:
     """The reserved ports come from keys any member of the job may write: a rank out of
     range or a value that is no port is refused, naming the key."""
-    from coordinator.etcd.client import KeyValue
+    from coordinator.etcd.txn import KeyValue
     from coordinator.jobs.command import published_ports
 
     def kv(rank: str, port: str) -> KeyValue:

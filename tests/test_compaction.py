@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from pyetcd import etcdrpc
 
-from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.etcd.watch import WatchEvent
 from coordinator.rendezvous.member import Member
 from tests.conftest import wait_until
 from tests.etcd_cluster import CuttableProxy

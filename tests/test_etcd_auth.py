@@ -25,9 +25,11 @@ import pytest
 from pydantic import ValidationError
 from pyetcd import etcdrpc
 
-from coordinator.etcd.client import Etcd, EtcdRefused, prefix_end
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdRefused
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.etcd.txn import prefix_end
 from coordinator.etcd.users import (
     Credentials,
     agent_grants,

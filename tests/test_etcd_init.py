@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.deploy.etcd_init import InitError, parse_agent, read_password
-from coordinator.etcd.client import Etcd, EtcdRefused
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdRefused
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd, ServerTls
 from coordinator.etcd.users import agent_user, new_password, users, write_password_file

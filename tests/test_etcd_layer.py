@@ -11,21 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd.client import (
-    Delete,
-    Etcd,
-    EtcdUnavailable,
-    First,
-    Get,
-    Put,
-    ValueIs,
-    WatchEvent,
-    When,
-    parse_endpoints,
-    prefix_end,
-)
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.connection import parse_endpoints
+from coordinator.etcd.errors import EtcdUnavailable
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.etcd.session import Session
+from coordinator.etcd.txn import Delete, Empty, First, Get, Put, ValueIs, When, prefix_end
+from coordinator.etcd.watch import WatchEvent
 from tests.conftest import wait_until
 
 
@@ -69,14 +61,14 @@ def test_transaction_runs_its_ops_only_when_the_ranges_are_empty(etcd: Etcd) -> 
     prefix = etcd.key("order") + "/"
     etcd.put(prefix + "2/a", "x")
     lowest = First(prefix, prefix_end(prefix))
-    below_2 = [(prefix, (prefix + "2/").encode())]
+    below_2 = [Empty(prefix, (prefix + "2/").encode())]
     moved = etcd.transaction(
         [Delete(prefix + "2/a"), Put(prefix + "3/a", "y"), lowest, Get(prefix + "none")],
-        when_empty=below_2,
+        when=below_2,
     )
     assert moved.succeeded and [kv and kv.key for kv in moved.reads] == [prefix + "3/a", None]
     etcd.put(prefix + "1/b", "z")
-    other = etcd.transaction([Put(etcd.key("raised"), "1")], when_empty=below_2, otherwise=[lowest])
+    other = etcd.transaction([Put(etcd.key("raised"), "1")], when=below_2, otherwise=[lowest])
     assert not other.succeeded and other.reads[0] is not None
     assert other.reads[0].key == prefix + "1/b" and etcd.get(etcd.key("raised")) is None
 

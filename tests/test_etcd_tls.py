@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd.client import Etcd, EtcdRefused
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdRefused
 from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd, ServerTls, find_etcd_binary
 from coordinator.etcd.session import Session

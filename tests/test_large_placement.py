@@ -19,10 +19,13 @@ from typing import Any
 
 import pytest
 
-from coordinator.etcd.client import CreatedAt, Etcd, EtcdError, QuietSince, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import ENV
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.session import Session
+from coordinator.etcd.txn import CreatedAt, QuietSince
+from coordinator.etcd.watch import WatchEvent
 from coordinator.launch import WorkerCommand
 from coordinator.service.agent_keys import placement_key, placements_of
 from coordinator.service.chunks import (

@@ -69,7 +69,8 @@ def agent(
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
-    from coordinator.etcd.client import Etcd, EtcdError
+    from coordinator.etcd.client import Etcd
+    from coordinator.etcd.errors import EtcdError
     from coordinator.etcd.names import check_name
     from coordinator.launch import parse_gpus
     from coordinator.service.agent import Agent, AgentOptions, AgentTaken

@@ -27,7 +27,8 @@ from coordinator.cli.options import (
     console,
     etcd_security,
 )
-from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.users import (
     CannotManageUsers,
     provision_agent,

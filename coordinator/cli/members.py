@@ -45,7 +45,8 @@ from coordinator.cli.options import (
     parse_param_option,
     program_after_dashes,
 )
-from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.users import (

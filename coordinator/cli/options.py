@@ -10,7 +10,7 @@ import typer
 import typer.core
 from rich.console import Console
 
-from coordinator.etcd.client import parse_endpoints
+from coordinator.etcd.connection import parse_endpoints
 from coordinator.etcd.security import ENV, EtcdSecurity, SecurityError
 from coordinator.jobs import JOB_KINDS, MEMBER_KINDS
 from coordinator.jobs.params import parse_param_list, parse_params

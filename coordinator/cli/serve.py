@@ -155,7 +155,7 @@ def serve(
     etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
-    from coordinator.etcd.client import EtcdError
+    from coordinator.etcd.errors import EtcdError
     from coordinator.service import server
     from coordinator.service.auth import Tokens, generated_tokens
     from coordinator.service.embedded import ServiceEtcd

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from pyetcd import etcdrpc
 
-from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.names import check_name
 from coordinator.etcd.security import EtcdSecurity, SecurityError
 from coordinator.etcd.users import ROOT, enable_auth, provision_agent, provision_job

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from coordinator.etcd.client import parse_endpoints
+from coordinator.etcd.connection import parse_endpoints
 from coordinator.etcd.names import check_name
 from coordinator.jobs import MEMBER_KINDS
 

@@ -157,7 +157,8 @@ class EmbeddedEtcd:
 
     def _enable_auth(self) -> None:
         """Root user and role, then auth on (a no-op once done: the data dir keeps it)."""
-        from coordinator.etcd.client import Etcd, EtcdError
+        from coordinator.etcd.client import Etcd
+        from coordinator.etcd.errors import EtcdError
         from coordinator.etcd.users import enable_auth
 
         try:

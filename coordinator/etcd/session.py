@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from coordinator.etcd.client import Etcd, EtcdError
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,10 @@ from typing import Literal
 
 from pyetcd import etcdrpc
 
-from coordinator.etcd.client import Etcd, EtcdError, EtcdRefused, prefix_end
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError, EtcdRefused
 from coordinator.etcd.names import check_name
+from coordinator.etcd.txn import prefix_end
 from coordinator.files import write_private
 
 ROOT = "root"  # etcd's own name for the user (and role) that may do anything

@@ -36,7 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coordinator.etcd.client import KeyValue, WatchEvent
+from coordinator.etcd.txn import KeyValue
+from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs import catalog
 from coordinator.jobs.environment import (
     PROGRAM_DIR,

@@ -19,8 +19,9 @@ loss-detection code is the member's own:
 
 from __future__ import annotations
 
-from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import LeaseHolder
+from coordinator.etcd.watch import WatchEvent
 from coordinator.rendezvous.errors import MemberLost, RendezvousError
 from coordinator.rendezvous.member import JobKeys, Member, loss_reason, member_state, rank_of
 from coordinator.rendezvous.roster import Roster

@@ -39,9 +39,11 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from coordinator.etcd.client import Etcd, LeaseNotFound, Watch, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import LeaseNotFound
 from coordinator.etcd.names import check_name
 from coordinator.etcd.session import Session
+from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.rendezvous import handshake
 from coordinator.rendezvous.address import advertise_address
 from coordinator.rendezvous.endpoint import MemberEndpoint, probe

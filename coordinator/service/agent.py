@@ -48,16 +48,11 @@ from urllib.parse import parse_qs, urlparse
 
 from pydantic import ValidationError
 
-from coordinator.etcd.client import (
-    Delete,
-    Etcd,
-    EtcdError,
-    EtcdRefused,
-    Put,
-    Watch,
-    WatchEvent,
-)
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError, EtcdRefused
 from coordinator.etcd.session import Session
+from coordinator.etcd.txn import Delete, Put
+from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.rendezvous.address import advertise_address
 from coordinator.service.agent_keys import (

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from coordinator.etcd.client import EtcdError
+from coordinator.etcd.errors import EtcdError
 from coordinator.service.admission import Roots
 from coordinator.service.boundary import Boundary, document_refusals
 from coordinator.service.context import ApiContext

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.etcd.client import CreatedAt, Guard, QuietSince
+from coordinator.etcd.txn import CreatedAt, Guard, QuietSince
 
 #: What the reconciler's STARTING transaction adds to a reservation: its writes (the
 #: job's record, the members' credentials) and its conditions (the record unchanged,

@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from coordinator.etcd.client import CreatedAt, Etcd, EtcdError, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.session import Session
+from coordinator.etcd.txn import CreatedAt
+from coordinator.etcd.watch import WatchEvent
 
 #: Seconds of proven lease a leader keeps in hand: what one act (starting a process,
 #: recording it) may take before the lease could have expired.

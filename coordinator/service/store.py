@@ -30,7 +30,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from coordinator.etcd.client import Etcd, Guard, KeyValue, LeaseNotFound, Put, Watch, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import LeaseNotFound
+from coordinator.etcd.txn import Guard, KeyValue, Put
+from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.service.model import Condition, JobRecord, JobSpec, JobState
 
 log = logging.getLogger(__name__)
@@ -158,7 +161,7 @@ class JobStore:
             raw = new.model_dump_json().encode()
             try:
                 written, current, revision = self.etcd.replace(
-                    self.key(job_id), raw, stored.mod_revision, guards=guards, also=also
+                    self.key(job_id), raw, stored.mod_revision, when=guards, also=also
                 )
             except LeaseNotFound:  # a reserved agent died meanwhile
                 return stored.record

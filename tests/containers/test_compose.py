@@ -24,7 +24,8 @@ import torch
 import xgboost
 from docker.models.containers import Container
 
-from coordinator.etcd.client import Etcd, EtcdError, EtcdRefused
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError, EtcdRefused
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.users import agent_user, job_user, users
 from coordinator.ps.model import MnistNet

@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 
 from coordinator.barriers.live.records import Clock, Counters, OnLoss, Passage
 from coordinator.barriers.policy import BarrierSpec, Method
-from coordinator.etcd.client import LeaseNotFound, Watch, WatchEvent
+from coordinator.etcd.errors import LeaseNotFound
+from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
 from coordinator.rendezvous.member import Member, loss_reason, member_state, rank_of
 

@@ -20,7 +20,7 @@ from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps
 from coordinator.barriers.live.base import LiveBarrier
 from coordinator.barriers.live.records import Clock, Passage
 from coordinator.barriers.policy import Method
-from coordinator.etcd.client import WatchEvent
+from coordinator.etcd.watch import WatchEvent
 from coordinator.rendezvous.member import rank_of
 
 

@@ -22,7 +22,8 @@ import time
 from coordinator.barriers.live.base import LiveBarrier
 from coordinator.barriers.live.records import DONE, LEVEL_DIGITS, Passage
 from coordinator.barriers.policy import Method, may_start
-from coordinator.etcd.client import Delete, First, KeyValue, Put, WatchEvent, prefix_end
+from coordinator.etcd.txn import Delete, Empty, First, KeyValue, Put, prefix_end
+from coordinator.etcd.watch import WatchEvent
 from coordinator.rendezvous.member import rank_of
 
 
@@ -79,11 +80,11 @@ class OrderedBarrier(LiveBarrier, methods=(Method.BSP, Method.SSP)):
         else:
             mine = self.order_key(old, self.rank)
             moved.insert(1, Delete(mine))
-            below_me = (self.order_prefix(), mine.encode())
-            beside_me = (mine + "\0", prefix_end(self.level_prefix(old)))
+            below_me = Empty(self.order_prefix(), mine.encode())
+            beside_me = Empty(mine + "\0", prefix_end(self.level_prefix(old)))
             raise_it = Put(self.slowest_key(), str(old + 1))
             result = self.etcd.transaction(
-                [*moved, raise_it], when_empty=[below_me, beside_me], otherwise=moved
+                [*moved, raise_it], when=[below_me, beside_me], otherwise=moved
             )
         self._level = level
         lowest = self._level_of(result.reads[0])

@@ -31,7 +31,8 @@ from coordinator.barriers.live.base import LiveBarrier
 from coordinator.barriers.live.records import DONE, Passage, fixed
 from coordinator.barriers.live.sample_stream import StepRandom, positions
 from coordinator.barriers.policy import Method, draw_sample, may_start
-from coordinator.etcd.client import Get, KeyValue, Put, TxnOp, ValueIs, WatchEvent, When
+from coordinator.etcd.txn import Get, KeyValue, Put, TxnOp, ValueIs, When
+from coordinator.etcd.watch import WatchEvent
 from coordinator.rendezvous.member import rank_of
 
 MAX_TXN_OPS = 128  # etcd's default cap: a transaction's operations plus its widest nested one

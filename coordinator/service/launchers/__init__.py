@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from coordinator.etcd.client import Guard, Put
+from coordinator.etcd.txn import Guard, Put
 from coordinator.etcd.users import Credentials
 from coordinator.launch import WorkerCommand
 from coordinator.service.model import JobSpec, Launcher, Member

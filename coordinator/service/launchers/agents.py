@@ -37,17 +37,9 @@ from collections import Counter
 import httpx
 from pydantic import ValidationError
 
-from coordinator.etcd.client import (
-    CreatedAt,
-    Delete,
-    Etcd,
-    EtcdError,
-    KeyValue,
-    Put,
-    QuietSince,
-    ValueIs,
-    When,
-)
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
+from coordinator.etcd.txn import CreatedAt, Delete, Empty, KeyValue, Put, QuietSince, ValueIs, When
 from coordinator.service.agent_keys import (
     PLACEMENT_PATTERN,
     AgentRecord,
@@ -209,7 +201,7 @@ class AgentsLauncher:
             puts = [Put(w.key, w.value, registrations[w.agent_id].lease) for w in chunk]
             guards = chunk_guards(chunk, registered, prefixes, written_at)
             try:
-                result = self.etcd.transaction(puts, guards=guards)
+                result = self.etcd.transaction(puts, when=guards)
             except EtcdError as exc:  # an agent's lease gone, etcd away: try again later
                 log.warning("placement %s: a chunk was not written (%s)", placement, exc)
                 result = None
@@ -233,7 +225,7 @@ class AgentsLauncher:
             # Each deletion a nested transaction of one condition: one op less per chunk.
             for chunk in chunks(writes, self.max_txn_ops - 1, self.max_txn_bytes):
                 ops = [When((ValueIs(w.key, "=", w.value),), (Delete(w.key),)) for w in chunk]
-                result = self.etcd.transaction(ops, when_empty=[(commit, _just(commit))])
+                result = self.etcd.transaction(ops, when=[Empty(commit, _just(commit))])
                 if not result.succeeded:
                     return  # committed after all: its members are the job's
         except EtcdError as exc:

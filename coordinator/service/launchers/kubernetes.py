@@ -49,7 +49,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from coordinator.deploy import k8s
-from coordinator.etcd.client import parse_endpoints
+from coordinator.etcd.connection import parse_endpoints
 from coordinator.jobs import COMMAND
 from coordinator.rendezvous.address import endpoint_host, is_loopback
 from coordinator.service.images import ImagePolicy

@@ -29,7 +29,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from coordinator.etcd.client import WatchEvent
+from coordinator.etcd.watch import WatchEvent
 from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round, Step
 from coordinator.jobs.kinds import KINDS
 from coordinator.service.context import API, ApiContext, Context, granted, reader, stored_or_404

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.etcd.client import EtcdError
+from coordinator.etcd.errors import EtcdError
 from coordinator.service.context import Context, reader
 
 READY_WINDOW = 1.0  # seconds /readyz retries etcd before it says 503

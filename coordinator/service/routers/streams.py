@@ -14,7 +14,8 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from sse_starlette.sse import EventSourceResponse
 
-from coordinator.etcd.client import Etcd, WatchEvent
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.watch import WatchEvent
 from coordinator.service.context import API, Context, reader, stored_or_404
 from coordinator.service.launchers import WorkerLauncher
 from coordinator.service.model import JobRecord, Member

@@ -1,0 +1,226 @@
+"""A transaction's parts as values: conditions, operations and the result.
+
+A transaction runs its operations if every condition holds, else its other
+operations (etcd's If/Then/Else): `Etcd.transaction(then, when=..., otherwise=...)`.
+Every guarded write of the product is written with these conditions, so a guard
+reads the same wherever it is used (`When` nests one transaction in another).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pyetcd import etcdrpc
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def key_value(kv: etcdrpc.KeyValue) -> KeyValue:
+    return KeyValue(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool  # whether the conditions held
+    revision: int
+    reads: list[KeyValue | None]  # one per `First` or `Get`, in order
+
+
+def to_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The range end that selects every key starting with `prefix`."""
+    raw = bytearray(prefix.encode())
+    for i in reversed(range(len(raw))):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+# -- conditions: each fills an `etcdrpc.Compare` in place (`fill`) --------------------
+
+
+class _Condition:
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        raise NotImplementedError
+
+    def compare(self) -> etcdrpc.Compare:
+        compare = etcdrpc.Compare()
+        self.fill(compare)
+        return compare
+
+
+_RELATIONS = {
+    "<": etcdrpc.Compare.LESS,
+    "=": etcdrpc.Compare.EQUAL,
+    ">": etcdrpc.Compare.GREATER,
+}
+
+
+@dataclass(frozen=True)
+class ValueIs(_Condition):
+    """A condition: `key` exists and its value is `<`, `=` or `>` `than` (as bytes)."""
+
+    key: str
+    relation: Literal["<", "=", ">"]
+    than: bytes | str
+
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        compare.key, compare.result = self.key.encode(), _RELATIONS[self.relation]
+        compare.target, compare.value = etcdrpc.Compare.VALUE, to_bytes(self.than)
+
+
+@dataclass(frozen=True)
+class CreatedAt(_Condition):
+    """`key` exists and is the version created at `revision` (not a successor)."""
+
+    key: str
+    revision: int
+
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        compare.key, compare.result = self.key.encode(), etcdrpc.Compare.EQUAL
+        compare.target, compare.create_revision = etcdrpc.Compare.CREATE, self.revision
+
+
+@dataclass(frozen=True)
+class QuietSince(_Condition):
+    """No key under `prefix` was written after `revision` (deletions aside)."""
+
+    prefix: str
+    revision: int
+
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        compare.key, compare.range_end = self.prefix.encode(), prefix_end(self.prefix)
+        compare.result, compare.target = etcdrpc.Compare.LESS, etcdrpc.Compare.MOD
+        compare.mod_revision = self.revision + 1
+
+
+@dataclass(frozen=True)
+class Unchanged(_Condition):
+    """`key` is still at `mod_revision` (0: it does not exist)."""
+
+    key: str
+    mod_revision: int
+
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        compare.key, compare.result = self.key.encode(), etcdrpc.Compare.EQUAL
+        compare.target, compare.mod_revision = etcdrpc.Compare.MOD, self.mod_revision
+
+
+@dataclass(frozen=True)
+class Empty(_Condition):
+    """No key in `[start, end)` (`end` exclusive, as bytes: `prefix_end` for a prefix)."""
+
+    start: str
+    end: bytes
+
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        compare.key, compare.range_end = self.start.encode(), self.end
+        compare.result, compare.target = etcdrpc.Compare.EQUAL, etcdrpc.Compare.VERSION
+        compare.version = 0
+
+
+Guard = ValueIs | CreatedAt | QuietSince | Unchanged | Empty
+
+
+# Each operation fills a `RequestOp` in place (`into`): building a transaction's
+# messages in place instead of copying them in costs half as much.
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes | str
+    lease: int = 0
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        put = op.request_put
+        put.SetInParent()  # a put of empty values is still a put
+        put.key, put.value, put.lease = self.key.encode(), to_bytes(self.value), self.lease
+
+    def request(self) -> etcdrpc.RequestOp:
+        return _request(self)
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        op.request_delete_range.SetInParent()
+        op.request_delete_range.key = self.key.encode()
+
+    def request(self) -> etcdrpc.RequestOp:
+        return _request(self)
+
+
+@dataclass(frozen=True)
+class First:
+    """The lowest key in `[start, end)`."""
+
+    start: str
+    end: bytes
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        first = op.request_range
+        first.SetInParent()
+        first.key, first.range_end, first.limit = self.start.encode(), self.end, 1
+
+    def request(self) -> etcdrpc.RequestOp:
+        return _request(self)
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        op.request_range.SetInParent()
+        op.request_range.key = self.key.encode()
+
+    def request(self) -> etcdrpc.RequestOp:
+        return _request(self)
+
+
+@dataclass(frozen=True)
+class When:
+    """A nested transaction: `ops` run only if every condition holds.
+
+    Values compare as bytes, so fixed-width numbers compare as numbers; a
+    missing key fails its condition. Conditions are checked against the store
+    as it was before the enclosing transaction, atomically with it.
+    """
+
+    conditions: tuple[Guard, ...]
+    ops: tuple[Put | Delete, ...]
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        nested = op.request_txn
+        nested.SetInParent()
+        for condition in self.conditions:
+            condition.fill(nested.compare.add())
+        for inner in self.ops:
+            inner.into(nested.success.add())
+
+    def request(self) -> etcdrpc.RequestOp:
+        return _request(self)
+
+
+TxnOp = Put | Delete | First | Get | When
+
+
+def _request(operation: TxnOp) -> etcdrpc.RequestOp:
+    op = etcdrpc.RequestOp()
+    operation.into(op)
+    return op
