@@ -62,6 +62,7 @@ from coordinator.etcd.users import (
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
+from coordinator.keys import Keys
 from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import (
     OWN_SLOTS,
@@ -110,6 +111,7 @@ class Reconciler:
         leadership: Leadership,
     ) -> None:
         self.etcd, self.store, self.launchers = etcd, store, launchers
+        self.keys = Keys(etcd.namespace)
         self.settings, self.leadership = settings, leadership
         self.launched = 0  # members started by this replica (for /metrics)
         self.restarts = 0
@@ -123,12 +125,12 @@ class Reconciler:
         self._leading = False
         self._deleted: set[str] = set()  # jobs whose records were deleted: users to remove
         self._deleted_lock = threading.Lock()
-        self._watch = etcd.watch(store.prefix, self._on_change, start_revision=0, prefix=True)
+        self._watch = etcd.watch(store.keys.records, self._on_change, start_revision=0, prefix=True)
         # Records each member just started, so that waiting for it is bounded by the lease.
         self._recorder = ThreadPoolExecutor(1, thread_name_prefix="record-member")
 
     def _on_change(self, events: list[WatchEvent]) -> None:
-        gone = [e.key[len(self.store.prefix) :] for e in events if e.kind == "delete"]
+        gone = [self.store.keys.record_id(e.key) for e in events if e.kind == "delete"]
         if gone:
             with self._deleted_lock:
                 self._deleted.update(gone)
@@ -277,7 +279,7 @@ class Reconciler:
         puts = list(reservation.puts)
         if credentials is not None:  # for a leader that has to finish this launch
             stored = {"user": credentials.user, "password": credentials.password}
-            puts.append(Put(self._credentials_key(record.id), json.dumps(stored)))
+            puts.append(Put(self.keys.credential(record.id), json.dumps(stored)))
 
         def change(current: JobRecord) -> JobRecord | None:
             if current.state not in (S.PENDING, S.RESTARTING) or len(current.attempts) >= number:
@@ -344,9 +346,6 @@ class Reconciler:
 
     # -- credentials --------------------------------------------------------------
 
-    def _credentials_key(self, job_id: str) -> str:
-        return self.etcd.key("api", "credentials", job_id)
-
     def _planned_credentials(self, job_id: str) -> Credentials | None:
         """The job's user with a new password (not made yet: `_provision` does), or None
         when members must connect as the service does."""
@@ -370,7 +369,7 @@ class Reconciler:
 
     def _stored_credentials(self, job_id: str) -> Credentials | None:
         """The credentials the attempt started with (a predecessor's launch to finish)."""
-        kv = self.etcd.get(self._credentials_key(job_id))
+        kv = self.etcd.get(self.keys.credential(job_id))
         if kv is None:
             return None
         try:
@@ -387,7 +386,7 @@ class Reconciler:
     def _revoke(self, job_id: str) -> None:
         """The job's stored credentials, then its etcd user and role, go (none there is
         fine). A leader that dies in between leaves a user `_remove_stale_users` finds."""
-        self.etcd.delete(self._credentials_key(job_id))
+        self.etcd.delete(self.keys.credential(job_id))
         if self._per_job_users is not False:
             try:
                 revoke_job(self.etcd, job_id)
@@ -402,9 +401,8 @@ class Reconciler:
             with_users = set(job_users(self.etcd))
         except CannotManageUsers:
             with_users = set()
-        prefix = self._credentials_key("")
-        stored, _ = self.etcd.get_prefix(prefix, keys_only=True)
-        for job_id in sorted(with_users | {kv.key[len(prefix) :] for kv in stored}):
+        stored, _ = self.etcd.get_prefix(self.keys.credentials, keys_only=True)
+        for job_id in sorted(with_users | {self.keys.credential_id(kv.key) for kv in stored}):
             try:
                 if not self.store.get(job_id).record.state.terminal:
                     continue
@@ -647,12 +645,12 @@ class Reconciler:
     def _clear_rendezvous(self, job_id: str) -> None:
         """Revoke the leases of what the attempt's members left, and their rendezvous keys
         (a member killed by SIGKILL leaves its keys until its lease would expire)."""
-        prefix = self.etcd.key("jobs", job_id) + "/"
-        kvs, _ = self.etcd.get_prefix(prefix)
+        keys = self.keys.job(job_id)
+        kvs, _ = self.etcd.get_prefix(keys.job)
         for lease in {kv.lease for kv in kvs if kv.lease}:
             with contextlib.suppress(EtcdError):
                 self.etcd.revoke_lease(lease)
-        self.etcd.delete_prefix(prefix + "rendezvous/")
+        self.etcd.delete_prefix(keys.rendezvous)
 
     def _advance(self, job_id: str, state: JobState, reason: str, now: float) -> None:
         def change(record: JobRecord) -> JobRecord | None:
