@@ -36,6 +36,7 @@ from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.names import check_name
 from coordinator.events import REPORTS_FD_ENV, Report, write_line
+from coordinator.keys import job_path
 from coordinator.rendezvous.attached import AttachedMember
 from coordinator.rendezvous.roster import RosterFile
 
@@ -136,7 +137,7 @@ class Context:
 
     @property
     def _probe(self) -> str:
-        return f"jobs/{self.job}/"
+        return job_path(self.job)
 
     @property
     def attempt(self) -> int:
@@ -144,10 +145,12 @@ class Context:
         every program of a round records the round, unleased, and counts those before)."""
         if self._attempt is None:
             etcd = self.member.etcd
-            rounds = etcd.key("jobs", self.job, "program", "rounds") + "/"
+            keys = self.member.keys
             # Created once, by whichever rank comes first; the others read it back.
-            _, kv, _ = etcd.create(f"{rounds}{self.round:020d}", "")
-            self._attempt = etcd.count_prefix(rounds, max_create_revision=kv.create_revision)
+            _, kv, _ = etcd.create(keys.program_round(self.round), "")
+            self._attempt = etcd.count_prefix(
+                keys.program_rounds, max_create_revision=kv.create_revision
+            )
         return self._attempt
 
     def checkpoint_dir(self) -> Path:
@@ -194,7 +197,7 @@ class Context:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self._steps_made += 1
-        root = f"{self.member.keys.job}program/steps/{self._steps_made}/"
+        root = self.member.keys.program_steps(self._steps_made)
         return Steps(self.member, spec, loss, target, start, seed, timeout, root, stepping)
 
     # -- XGBoost ------------------------------------------------------------

@@ -33,6 +33,7 @@ from coordinator.exit_codes import (
     EXIT_USAGE,
 )
 from coordinator.jobs import MEMBER_KINDS, make_job
+from coordinator.keys import job_path
 from coordinator.rendezvous.errors import (
     JobFull,
     MemberLost,
@@ -176,7 +177,7 @@ def run_worker(options: WorkerOptions) -> int:
             options.etcd,
             namespace=options.namespace,
             connect_timeout=options.connect_timeout,
-            probe=f"jobs/{options.job_id}/",  # a member's etcd user may touch only its job
+            probe=job_path(options.job_id),  # a member's etcd user may touch only its job
         )
     except EtcdError as exc:
         job.close()
@@ -260,4 +261,4 @@ def _record_failure(
     if isinstance(error, MemberLost):
         record["lost_rank"] = error.rank
     with contextlib.suppress(EtcdError):  # the record is a courtesy; the exit code is the fact
-        member.etcd.put(f"{member.keys.job}failures/{rank:06d}", json.dumps(record))
+        member.etcd.put(member.keys.failure(rank), json.dumps(record))

@@ -26,8 +26,8 @@ from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.session import Session
 from coordinator.etcd.txn import CreatedAt, QuietSince
 from coordinator.etcd.watch import WatchEvent
+from coordinator.keys import Keys, placements_of
 from coordinator.launch import WorkerCommand
-from coordinator.service.agent_keys import placement_key, placements_of
 from coordinator.service.chunks import (
     Write,
     check_limits,
@@ -172,11 +172,11 @@ def test_a_release_withdraws_an_uncommitted_placement_but_never_a_committed_one(
     assert placement != assigned[0]["placement"]  # a new id for each try
     started = store.update(record.id, _starting, second.guards, second.puts)
     assert started.state == JobState.STARTING
-    assert etcd.get(placement_key(etcd, placement)) is not None
+    assert etcd.get(Keys(etcd.namespace).placement(placement)) is not None
     second.release()  # committed: nothing goes
     assert len(_assigned(etcd)) == 10
     launcher.placement_ended(record.run_id, 1)
-    assert etcd.get(placement_key(etcd, placement)) is None
+    assert etcd.get(Keys(etcd.namespace).placement(placement)) is None
 
 
 def test_an_etcd_that_refuses_the_one_big_transaction_takes_the_chunks(
@@ -208,7 +208,8 @@ def test_an_etcd_that_refuses_the_one_big_transaction_takes_the_chunks(
                 assert started.state == JobState.STARTING
                 assigned = _assigned(etcd)
                 assert sorted(a["index"] for a in assigned) == list(range(10))
-                assert etcd.get(placement_key(etcd, assigned[0]["placement"])) is not None
+                commit = Keys(etcd.namespace).placement(assigned[0]["placement"])
+                assert etcd.get(commit) is not None
             finally:
                 session.close(revoke=True)
 

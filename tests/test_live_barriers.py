@@ -191,7 +191,7 @@ def _offline_barrier(rank: int, world: int, sample: int) -> LiveBarrier:
         world_size=world,
         timeout=5.0,
         round=41,
-        keys=SimpleNamespace(job="/j/"),
+        keys=SimpleNamespace(steps="/j/steps/"),
     )
     return LiveBarrier(member, BarrierSpec(Method.PBSP, sample=sample))  # type: ignore[arg-type]
 

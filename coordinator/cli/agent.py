@@ -24,6 +24,7 @@ from coordinator.cli.options import (
     parse_labels,
 )
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
+from coordinator.keys import assignments_path
 
 
 def agent(
@@ -102,7 +103,7 @@ def agent(
     try:
         # Its etcd user (`coordinator credentials agent`) may touch only its own keys.
         client = Etcd(
-            endpoints, namespace=namespace, security=security, probe=f"assignments/{agent_id}/"
+            endpoints, namespace=namespace, security=security, probe=assignments_path(agent_id)
         )
     except EtcdError as exc:
         console.print(f"[red]cannot reach etcd: {exc}[/red]")

@@ -57,6 +57,7 @@ from coordinator.etcd.users import (
 )
 from coordinator.events import Metrics, Output, Phase, Report, Round, Step
 from coordinator.jobs import COMMAND
+from coordinator.keys import job_path
 from coordinator.launch import WorkerCommand
 from coordinator.launch.piped import LocalLauncher, LocalWorker
 from coordinator.rendezvous.address import ADVERTISE_ENV
@@ -186,7 +187,7 @@ def _job_user(
     """Export a job user's settings while the block runs, and remove the user after it
     (nothing when etcd has no auth, or `security`'s user may not make users)."""
     try:
-        admin = Etcd(endpoint, namespace=namespace, security=security, probe=f"jobs/{job_id}/")
+        admin = Etcd(endpoint, namespace=namespace, security=security, probe=job_path(job_id))
     except EtcdError:  # the workers will say what is wrong, each as it connects
         security.export()
         yield

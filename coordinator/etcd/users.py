@@ -24,6 +24,7 @@ from coordinator.etcd.errors import EtcdError, EtcdRefused
 from coordinator.etcd.names import check_name
 from coordinator.etcd.txn import prefix_end
 from coordinator.files import write_private
+from coordinator.keys import JobKeys, Keys
 
 ROOT = "root"  # etcd's own name for the user (and role) that may do anything
 
@@ -60,22 +61,22 @@ class CannotManageUsers(EtcdError):
 
 def job_user(namespace: str, job_id: str) -> str:
     """The user (and role) of a job's members: named after the prefix they may touch."""
-    return f"{namespace}/jobs/{check_name('job id', job_id)}"
+    return JobKeys(namespace, check_name("job id", job_id)).job.removesuffix("/")
 
 
 def job_grants(namespace: str, job_id: str) -> list[Grant]:
     # The trailing slash: without it the role would cover `<job>-other/` too.
-    return [Grant(f"{job_user(namespace, job_id)}/", prefix=True)]
+    return [Grant(JobKeys(namespace, check_name("job id", job_id)).job, prefix=True)]
 
 
 def job_of_user(namespace: str, user: str) -> str | None:
     """The job a user was made for, or None for any other user."""
-    job_id = user.removeprefix(f"{namespace}/jobs/")
+    job_id = user.removeprefix(Keys(namespace).jobs)
     return job_id if job_id != user and "/" not in job_id else None
 
 
 def agent_user(namespace: str, agent_id: str) -> str:
-    return f"{namespace}/agents/{check_name('agent id', agent_id)}"
+    return Keys(namespace).agent(check_name("agent id", agent_id))
 
 
 def agent_grants(namespace: str, agent_id: str) -> list[Grant]:
@@ -84,11 +85,12 @@ def agent_grants(namespace: str, agent_id: str) -> list[Grant]:
     no secrets: a big placement's members start once theirs exists); nothing of any job
     or other agent."""
     check_name("agent id", agent_id)
+    keys = Keys(namespace)
     return [
-        Grant(f"{namespace}/agents/{agent_id}", prefix=False),
-        Grant(f"{namespace}/assignments/{agent_id}/", prefix=True),
-        Grant(f"{namespace}/reports/{agent_id}/", prefix=True),
-        Grant(f"{namespace}/placements/", prefix=True, permission="read"),
+        Grant(keys.agent(agent_id), prefix=False),
+        Grant(keys.assignments(agent_id), prefix=True),
+        Grant(keys.reports(agent_id), prefix=True),
+        Grant(keys.placements, prefix=True, permission="read"),
     ]
 
 

@@ -165,7 +165,7 @@ class XGBoostJob:
             if source is not None:
                 self.shards[name] = load_shard(source, rank, self.world_size, self.layouts[name])
         record = {name: shard.describe() for name, shard in self.shards.items()}
-        member.etcd.put(f"{member.keys.job}xgboost/shards/{rank:06d}", json.dumps(record))
+        member.etcd.put(member.keys.xgboost_shard(rank), json.dumps(record))
 
     def _start_tracker(self, member: Member) -> None:
         assert member.roster is not None
@@ -185,16 +185,15 @@ class XGBoostJob:
         self.tracker.start()
         args = self.tracker.worker_args()
         endpoint = {"host": args["dmlc_tracker_uri"], "port": args["dmlc_tracker_port"]}
-        member.etcd.put(self._tracker_key(member), json.dumps(endpoint), member.lease_id)
-
-    def _tracker_key(self, member: Member) -> str:
-        return f"{member.keys.job}xgboost/{member.round}/tracker"
+        member.etcd.put(
+            member.keys.xgboost_tracker(member.round), json.dumps(endpoint), member.lease_id
+        )
 
     # -- training ---------------------------------------------------------
 
     def run(self, member: Member) -> dict[str, object]:
         rank = _rank(member)
-        kv = member.etcd.get(self._tracker_key(member))
+        kv = member.etcd.get(member.keys.xgboost_tracker(member.round))
         if kv is None:
             raise RuntimeError("the leader published no XGBoost tracker before connect")
         tracker = json.loads(kv.value)
@@ -234,7 +233,7 @@ class XGBoostJob:
         }
         if rank == 0:
             summary["model_path"] = str(self._save(member, booster))
-            member.etcd.put(f"{member.keys.job}xgboost/summary", json.dumps(summary))
+            member.etcd.put(member.keys.xgboost_summary, json.dumps(summary))
         if self.tracker is not None:
             self.tracker.wait_for(options.collective_timeout)
         return summary
@@ -301,8 +300,7 @@ class _RoundReport(TrainingCallback):
         rank = self.member.rank
         emit(Round(rank=rank, round=epoch + 1, rounds=self.rounds, metrics=latest))
         if rank == 0:
-            key = f"{self.member.keys.job}xgboost/metrics/{epoch + 1:06d}"
-            self.member.etcd.put(key, json.dumps(latest))
+            self.member.etcd.put(self.member.keys.xgboost_metrics(epoch + 1), json.dumps(latest))
         return False  # never stop training on our account
 
 

@@ -50,6 +50,7 @@ from coordinator.jobs.environment import (
 )
 from coordinator.jobs.params import artifacts_dir, check_known, float_param
 from coordinator.jobs.program import ProgramGroup
+from coordinator.keys import leaf
 from coordinator.rendezvous.errors import MemberLost, ProgramFailed, RendezvousError
 from coordinator.rendezvous.member import loss_reason
 
@@ -109,7 +110,7 @@ def published_ports(kvs: Sequence[KeyValue], world_size: int) -> dict[int, int]:
     (a rank out of range, a port that is not one) is refused, naming the key."""
     ports: dict[int, int] = {}
     for kv in kvs:
-        name, value = kv.key.rsplit("/", 1)[1], kv.value.decode(errors="replace")
+        name, value = leaf(kv.key), kv.value.decode(errors="replace")
         if not (name.isdigit() and value.isdigit()):
             raise RuntimeError(f"{kv.key}: not a rank and a port ({value[:20]!r})")
         rank, port = int(name), int(value)
@@ -124,7 +125,7 @@ def failures(kvs: Sequence[KeyValue], world_size: int) -> dict[int, tuple[float,
     the keys their members wrote; anything else there is skipped (never trusted)."""
     found: dict[int, tuple[float, int, str]] = {}
     for kv in kvs:
-        name = kv.key.rsplit("/", 1)[1]
+        name = leaf(kv.key)
         try:
             said = json.loads(kv.value)
             status, at = said["status"], said["at"]
@@ -180,10 +181,7 @@ class CommandJob:
         self._reserved = sock = socket.socket(family, socket.SOCK_STREAM)
         sock.bind((host, 0))  # bound, never listening: held until the program starts
         port = sock.getsockname()[1]
-        member.etcd.put(f"{self._ports_key(member)}{rank:06d}", str(port), member.lease_id)
-
-    def _ports_key(self, member: Member) -> str:
-        return f"{member.keys.job}command/{member.round}/ports/"
+        member.etcd.put(member.keys.command_port(member.round, rank), str(port), member.lease_id)
 
     def _on_trouble(self, error: RendezvousError) -> None:
         self._trouble = error
@@ -194,7 +192,7 @@ class CommandJob:
     def run(self, member: Member) -> dict[str, object]:
         roster, rank = member.roster, member.rank
         assert roster is not None and rank is not None
-        kvs, _ = member.etcd.get_prefix(self._ports_key(member))
+        kvs, _ = member.etcd.get_prefix(member.keys.command_ports(member.round))
         ports = published_ports(kvs, self.world_size)
         missing = sorted(set(range(self.world_size)) - set(ports))
         if missing:
@@ -258,10 +256,12 @@ class CommandJob:
         own among them). A member gone after its program failed (its key's last state
         says so) is not a loss here: it failed like us."""
         rank = member.rank or 0
-        prefix = f"{member.keys.job}command/{member.round}/failed/"
+        prefix = member.keys.command_failures(member.round)
         ended = self._ended_at
         said = json.dumps({"status": status[:200], "at": ended})
-        revision = member.etcd.put(f"{prefix}{rank:06d}", said, member.lease_id)
+        revision = member.etcd.put(
+            member.keys.command_failure(member.round, rank), said, member.lease_id
+        )
         mine = (ended, revision)
         changed, lock = threading.Event(), threading.Lock()
         seen: dict[int, tuple[float, int, str]] = {}  # kept: a member gone takes its key along

@@ -58,12 +58,12 @@ from coordinator.files import replacing
 from coordinator.jobs import catalog
 from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
+from coordinator.keys import rank_of
 from coordinator.ps import api as ps
 from coordinator.ps.model import MnistNet
 from coordinator.ps.optim import OptimizerSpec
 from coordinator.ps.wire import ProtocolError
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout
-from coordinator.rendezvous.member import rank_of
 
 if TYPE_CHECKING:
     from coordinator.rendezvous.member import Member
@@ -388,8 +388,7 @@ class MnistJob:
             barrier.close()
             client.abort()
         client.flat.check_grads_in_place()
-        times = f"{member.keys.job}mnist/step-times/{trainer:06d}"
-        member.etcd.put(times, json.dumps(step_seconds))
+        member.etcd.put(member.keys.mnist_step_time(trainer), json.dumps(step_seconds))
         member.barrier("mnist-done")
         return {
             "role": "trainer",
@@ -455,7 +454,7 @@ class MnistJob:
             "staleness_histogram": histogram,
             "clocks": {t: s.clock for t, s in server.core.trainers.items()},
         }
-        member.etcd.put(f"{member.keys.job}mnist/servers/{rank:06d}", json.dumps(record))
+        member.etcd.put(member.keys.mnist_server(rank), json.dumps(record))
         member.barrier("mnist-done")
         result: dict[str, object] = {"role": "server", "rank": rank, **record}
         if evaluator is not None:
@@ -501,8 +500,7 @@ class MnistJob:
         options = self.options
         folder = options.artifacts / member.job_id
         records = [
-            json.loads(kv.value)
-            for kv in member.etcd.get_prefix(f"{member.keys.job}mnist/servers/")[0]
+            json.loads(kv.value) for kv in member.etcd.get_prefix(member.keys.mnist_servers)[0]
         ]
         histogram: dict[int, int] = {}
         clocks: dict[int, int] = {}
@@ -548,7 +546,7 @@ class MnistJob:
         summary_path = folder / "summary.json"
         with replacing(summary_path) as partial:
             partial.write_text(json.dumps(summary, indent=2))
-        member.etcd.put(f"{member.keys.job}mnist/summary", json.dumps(summary))
+        member.etcd.put(member.keys.mnist_summary, json.dumps(summary))
         return {
             "model_path": str(path),
             "summary_path": str(summary_path),
@@ -559,7 +557,7 @@ class MnistJob:
         """Every trainer's step durations (pull to push acknowledged, this attempt) as a
         trace `coordinator simulate --delay trace:PATH` replays: worker,step,seconds."""
         lines = ["worker,step,seconds"]
-        for kv in member.etcd.get_prefix(f"{member.keys.job}mnist/step-times/")[0]:
+        for kv in member.etcd.get_prefix(member.keys.mnist_step_times)[0]:
             trainer = rank_of(kv.key)
             seconds = json.loads(kv.value)
             if not (
@@ -637,8 +635,7 @@ class Evaluator:
             "loss": loss,
         }
         self.history.append(record)
-        key = f"{self.member.keys.job}mnist/metrics/{record['n']:06d}"
-        self.member.etcd.put(key, json.dumps(record))
+        self.member.etcd.put(self.member.keys.mnist_metrics(record["n"]), json.dumps(record))
         emit(Metrics(rank=0, **record))
         return record
 

@@ -133,13 +133,9 @@ def parse(params: dict[str, str], world_size: int) -> StepOptions:
     )
 
 
-def progress_key(member: Member) -> str:
-    return f"{member.keys.job}steps/progress/{member.rank:06d}"
-
-
 def run(member: Member, options: StepOptions) -> dict[str, object]:
     spec = options.spec
-    key = progress_key(member)
+    key = member.keys.step_progress(member.rank)
     kv = member.etcd.get(key)
     saved = json.loads(kv.value) if kv is not None else None
     start = int(saved["clock"]) if saved else 0

@@ -419,7 +419,8 @@ def program_peers(servers: int, *, environ: dict[str, str] | None = None) -> Pro
     server's handshake identity is its member's id with "/ps" appended, so a PS key never
     opens the member's own endpoint."""
     from coordinator.etcd.client import Etcd
-    from coordinator.rendezvous.member import JobKeys, read_roster
+    from coordinator.keys import JobKeys, job_path
+    from coordinator.rendezvous.member import read_roster
     from coordinator.rendezvous.roster import RosterFile
 
     env = dict(os.environ if environ is None else environ)
@@ -437,10 +438,10 @@ def program_peers(servers: int, *, environ: dict[str, str] | None = None) -> Pro
     etcd = Etcd(
         env["COORDINATOR_ETCD"],
         namespace=env.get("COORDINATOR_NAMESPACE", "/coordinator"),
-        probe=f"jobs/{job_id}/",
+        probe=job_path(job_id),
     )
     try:
-        kv = etcd.get(JobKeys(etcd, job_id).roster)
+        kv = etcd.get(JobKeys(etcd.namespace, job_id).roster)
     finally:
         etcd.close()
     if kv is None:

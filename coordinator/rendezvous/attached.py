@@ -13,8 +13,8 @@ loss-detection code is the member's own:
   The program never renews or revokes that lease.
 - A peer is lost when its member key vanishes: a killed member's lease ends
   within a TTL; a crashed program fails its member, which then leaves.
-- Its barriers live apart from the member's own (`program/barriers/` under
-  the round), so a program's `training` is not the member's `training`.
+- Its barriers live apart from the member's own (`rendezvous/program/barriers/`:
+  `coordinator.keys.ProgramKeys`), so a program's `training` is not the member's.
 """
 
 from __future__ import annotations
@@ -22,16 +22,10 @@ from __future__ import annotations
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import LeaseHolder
 from coordinator.etcd.watch import WatchEvent
+from coordinator.keys import ProgramKeys, rank_of
 from coordinator.rendezvous.errors import MemberLost, RendezvousError
-from coordinator.rendezvous.member import JobKeys, Member, loss_reason, member_state, rank_of
+from coordinator.rendezvous.member import Member, loss_reason, member_state
 from coordinator.rendezvous.roster import Roster
-
-
-class ProgramKeys(JobKeys):
-    """The job's keys, with the program's barriers apart from its member's."""
-
-    def barrier(self, round_: int, name: str, use: int) -> str:
-        return f"{self.root}program/barriers/{round_}/{name}/{use}/"
 
 
 class BorrowedLease(LeaseHolder):
@@ -60,7 +54,7 @@ class AttachedMember(Member):
         )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-        self.keys = ProgramKeys(etcd, job_id)
+        self.keys = ProgramKeys(etcd.namespace, job_id)
         self.rank = rank
         self.round = round_
         self.phase = "program"

@@ -44,6 +44,7 @@ from coordinator.etcd.errors import LeaseNotFound
 from coordinator.etcd.names import check_name
 from coordinator.etcd.session import Session
 from coordinator.etcd.watch import Watch, WatchEvent
+from coordinator.keys import JobKeys, rank_of
 from coordinator.rendezvous import handshake
 from coordinator.rendezvous.address import advertise_address
 from coordinator.rendezvous.endpoint import MemberEndpoint, probe
@@ -83,32 +84,6 @@ def fenced(phase_method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class JobKeys:
-    """Where a job's rendezvous keeps its keys (all under `<namespace>/jobs/<job>/`)."""
-
-    def __init__(self, etcd: Etcd, job_id: str) -> None:
-        self.job = etcd.key("jobs", job_id) + "/"
-        self.root = self.job + "rendezvous/"
-        self.arrivals = self.root + "arrivals/"
-        self.members = self.root + "members/"
-        self.addresses = self.root + "addresses/"
-        self.elected = self.root + "elected"
-        self.roster = self.root + "roster"
-
-    def member(self, rank: int) -> str:
-        return f"{self.members}{rank:06d}"
-
-    def address(self, rank: int) -> str:
-        return f"{self.addresses}{rank:06d}"
-
-    def barrier(self, round_: int, name: str, use: int) -> str:
-        return f"{self.root}barriers/{round_}/{name}/{use}/"
-
-
-def rank_of(key: str) -> int:
-    return int(key.rsplit("/", 1)[1])
-
-
 @dataclass(frozen=True)
 class PhaseRecord:
     """When this member entered a phase's wait and when it passed (wall clock)."""
@@ -140,7 +115,7 @@ class Member:
         self.ttl = ttl
         self.timeout = timeout
         self.member_id = member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.keys = JobKeys(etcd, job_id)
+        self.keys = JobKeys(etcd.namespace, job_id)
         self.phase = "init"
         self.rank: int | None = None
         self.round = 0
@@ -192,7 +167,7 @@ class Member:
         # count comes with the write, in one transaction, and is a number, not the
         # keys: N members reading the arrivals ahead of them would cost N^2.
         _, arrived_count = self.etcd.put_and_count(
-            self.keys.arrivals + self.member_id, info, lease, self.keys.arrivals
+            self.keys.arrival(self.member_id), info, lease, self.keys.arrivals
         )
         ahead = arrived_count - 1
         if ahead >= self.world_size:
@@ -418,28 +393,28 @@ class Member:
 
         use = self._barrier_uses[name]
         self._barrier_uses[name] += 1
-        base = self.keys.barrier(self.round, name, use)
+        keys = self.keys.barrier(self.round, name, use)
         revision, count = self.etcd.put_and_count(
-            f"{base}arrived/{rank:06d}", json.dumps({"t": arrived}), lease, base + "arrived/"
+            keys.arrival(rank), json.dumps({"t": arrived}), lease, keys.arrived
         )
         if count >= expected():  # the last arrival opens the gate
-            self.etcd.put(base + "ready", str(self.round), lease)
+            self.etcd.put(keys.ready, str(self.round), lease)
 
         def recheck() -> bool | None:
-            if self.etcd.get(base + "ready"):
+            if self.etcd.get(keys.ready):
                 return True
             # A member we carry on without has gone: the rest may now be complete.
-            if self._excused and self.etcd.count_prefix(base + "arrived/") >= expected():
-                self.etcd.put(base + "ready", str(self.round), lease)
+            if self._excused and self.etcd.count_prefix(keys.arrived) >= expected():
+                self.etcd.put(keys.ready, str(self.round), lease)
                 return True
             return None
 
         self._wait(
-            base + "ready",
+            keys.ready,
             revision,
             on_events=lambda events: True if any(e.kind == "put" for e in events) else None,
             recheck=recheck,
-            missing=lambda: [r for r in self._missing_ranks(base + "arrived/") if r in among],
+            missing=lambda: [r for r in self._missing_ranks(keys.arrived) if r in among],
             timeout=timeout,
         )
         self._record(arrived)
@@ -459,7 +434,7 @@ class Member:
         session.close(revoke=True)
         self._session = None
         if self.etcd.count_prefix(self.keys.members) == 0:
-            self.etcd.delete_prefix(self.keys.root)
+            self.etcd.delete_prefix(self.keys.rendezvous)
             self.cleaned_up = True
         self.phase = "done"
         self.close()

@@ -1,11 +1,11 @@
 """An agent: one host's long-running process that runs the members etcd assigns to it.
 
-It registers under its lease (the keys are in `agent_keys`; a second agent with a
-live id is refused, so two hosts never share an identity), watches its
-assignments, and starts each assigned member once with the local launcher (its
-own session, output to a file), pointed at etcd as this agent reaches it. It
-reports each member's state, signals a member whose assignment asks for `stop`,
-and serves the members' output over HTTP at its address
+It registers under its lease (the keys are in `coordinator.keys`, their values in
+`agent_keys`; a second agent with a live id is refused, so two hosts never share an
+identity), watches its assignments, and starts each assigned member once with the
+local launcher (its own session, output to a file), pointed at etcd as this agent
+reaches it. It reports each member's state, signals a member whose assignment asks
+for `stop`, and serves the members' output over HTTP at its address
 (`GET /members/<member>/output?offset=N`), so the service's logs endpoint
 reaches it on whichever host it ran.
 
@@ -54,16 +54,9 @@ from coordinator.etcd.session import Session
 from coordinator.etcd.txn import Delete, Put
 from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
+from coordinator.keys import Keys, member_name
 from coordinator.rendezvous.address import advertise_address
-from coordinator.service.agent_keys import (
-    Assignment,
-    agent_key,
-    assignments_prefix,
-    member_name,
-    placement_key,
-    placements_prefix,
-    report_key,
-)
+from coordinator.service.agent_keys import Assignment
 from coordinator.service.launchers import VANISHED
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.model import Member
@@ -123,7 +116,7 @@ class Agent:
             extra_env={WORKING_DIR_ROOT_ENV: os.pathsep.join(self.working_dir_roots)},
         )
         self.members: dict[str, Running] = {}  # member name -> what runs (or ran)
-        self.assignments = assignments_prefix(etcd, options.agent_id)
+        self.keys = Keys(etcd.namespace)
         # What the watches saw, for the main thread: (what, name, value), `what` one of
         # ASSIGNED, WITHDRAWN (an assignment deleted), COMMITTED, UNCOMMITTED (a
         # placement's commit written, deleted).
@@ -163,7 +156,7 @@ class Agent:
     def _register(self) -> None:
         """A new lease, the registration under it, and the watch of its assignments."""
         self.session = Session(self.etcd, self.options.ttl)
-        key = agent_key(self.etcd, self.options.agent_id)
+        key = self.keys.agent(self.options.agent_id)
         created, current, _ = self.etcd.create(key, json.dumps(self._record), self.session.lease_id)
         if not created and _holder(current.value).get("token") == self.token:
             # Our own registration, under the lease we gave up on but etcd still keeps.
@@ -181,8 +174,8 @@ class Agent:
         # Assignments are bound to this agent's lease, new with this registration: there
         # are none before it.
         self._watch = self.etcd.watch(
-            self.assignments, self._on_assignments, start_revision=current.create_revision,
-            prefix=True,
+            self.keys.assignments(self.options.agent_id), self._on_assignments,
+            start_revision=current.create_revision, prefix=True,
         )  # fmt: skip
 
     def _rejoin(self, stop: threading.Event) -> None:
@@ -236,13 +229,12 @@ class Agent:
         thread that started them (see `LocalLauncher`), and it lives as long as we do."""
         for event in events:
             what = ASSIGNED if event.kind == "put" else WITHDRAWN
-            self._inbox.put((what, event.key[len(self.assignments) :], event.value))
+            self._inbox.put((what, self.keys.assigned(event.key)[1], event.value))
 
     def _on_placements(self, events: list[WatchEvent]) -> None:
-        prefix = placements_prefix(self.etcd)
         for event in events:
             what = COMMITTED if event.kind == "put" else UNCOMMITTED
-            self._inbox.put((what, event.key[len(prefix) :], b""))
+            self._inbox.put((what, self.keys.placement_id(event.key), b""))
 
     def _take(self, what: str, name: str, value: bytes) -> None:
         """One thing the watches saw, on the main thread."""
@@ -263,7 +255,7 @@ class Agent:
         for member, placement in list(self._waiting.items()):
             if placement not in self._committed:
                 continue
-            kv = self.etcd.get(self.assignments + member)
+            kv = self.etcd.get(self.keys.assignment(self.options.agent_id, member))
             if kv is None:
                 self._waiting.pop(member, None)
             else:
@@ -278,10 +270,10 @@ class Agent:
             return True
         if self._placements is None:
             self._placements = self.etcd.watch(
-                placements_prefix(self.etcd), self._on_placements,
+                self.keys.placements, self._on_placements,
                 start_revision=0, prefix=True, prev_kv=False,
             )  # fmt: skip
-        if self.etcd.get(placement_key(self.etcd, placement)) is None:
+        if self.etcd.get(self.keys.placement(placement)) is None:
             return False
         self._committed.add(placement)
         return True
@@ -336,7 +328,7 @@ class Agent:
                     raise
                 reason = (
                     f"assignment {name} refused: this agent's etcd user may not read "
-                    f"{placements_prefix(self.etcd)} (renew it: coordinator credentials agent)"
+                    f"{self.keys.placements} (renew it: coordinator credentials agent)"
                 )
                 print(f"agent: {reason}", flush=True)
                 self._refused(name, reason)
@@ -375,7 +367,7 @@ class Agent:
         )
 
     def _report(self, name: str, member: Member, code: int | None) -> None:
-        key = report_key(self.etcd, self.options.agent_id, name)
+        key = self.keys.report(self.options.agent_id, name)
         self.etcd.put(key, self._state(member, code), self.session.lease_id)
 
     def _ended(self, name: str, member: Member, code: int) -> None:
@@ -395,10 +387,10 @@ class Agent:
         self._settle(name, json.dumps(report))
 
     def _settle(self, name: str, report: str) -> None:
-        key = report_key(self.etcd, self.options.agent_id, name)
-        self.etcd.transaction(
-            [Put(key, report, self.session.lease_id), Delete(self.assignments + name)]
-        )
+        agent_id = self.options.agent_id
+        key = self.keys.report(agent_id, name)
+        assigned = self.keys.assignment(agent_id, name)
+        self.etcd.transaction([Put(key, report, self.session.lease_id), Delete(assigned)])
 
     def check_members(self) -> None:
         """Report every member that ended since the last check."""
@@ -456,7 +448,7 @@ class Agent:
             self._stop_members(grace=self.options.drain_seconds)
             self.close()
             return
-        self.etcd.delete(agent_key(self.etcd, self.options.agent_id))
+        self.etcd.delete(self.keys.agent(self.options.agent_id))
         deadline = time.monotonic() + self.options.drain_seconds
         terminated = False
         while left := [self.members[n].member for n in self.running()]:

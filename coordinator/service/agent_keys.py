@@ -1,5 +1,6 @@
-"""The keys agents and the service's `agents` launcher share, under `<ns>/`, and the
-models every value read from them must pass: neither side trusts what it reads.
+"""What agents and the service's `agents` launcher write to each other under `<ns>/`,
+and the models every value read back must pass: neither side trusts what it reads
+(the keys are composed and parsed in `coordinator.keys`).
 
 - `agents/<id>`: `AgentRecord` (`{slots, labels, address, token, version, pid, host,
   gpus}`),
@@ -23,14 +24,12 @@ models every value read from them must pass: neither side trusts what it reads.
 
 Each agent's etcd user may touch only its own three, and read the commits
 (`coordinator.etcd.users`).
-`<member>` is `<run_id>-a<attempt>-m<index>`: unique to one member of one attempt.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import secrets
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -44,16 +43,15 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.etcd.client import Etcd
 from coordinator.etcd.users import Credentials, job_user
 from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import check_program_env
+from coordinator.keys import PLACEMENT_TOKEN, placements_of
 from coordinator.launch import WorkerCommand
 from coordinator.launch.command import check_gpus
 from coordinator.service.model import ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
 
 RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + r"-[A-Za-z0-9]{1,32}$"
-PLACEMENT_TOKEN = r"[0-9a-f]{16}"
 PLACEMENT_PATTERN = RUN_ID_PATTERN.removesuffix("$") + r"-a[0-9]{1,4}-" + PLACEMENT_TOKEN + "$"
 ADDRESS = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]{1,253}):(?P<port>\d{1,5})$")
 
@@ -68,56 +66,6 @@ WORKER_OPTIONS = {
     "--connect-timeout": False,
     "--param": True,
 }
-
-
-def member_name(run_id: str, attempt: int, index: int) -> str:
-    return f"{run_id}-a{attempt}-m{index}"
-
-
-def agent_key(etcd: Etcd, agent_id: str) -> str:
-    return etcd.key("agents", agent_id)
-
-
-def assignments_prefix(etcd: Etcd, agent_id: str | None = None) -> str:
-    """Every agent's assignments, or one agent's."""
-    return etcd.key("assignments", agent_id) + "/" if agent_id else etcd.key("assignments") + "/"
-
-
-def assignment_key(etcd: Etcd, agent_id: str, member: str) -> str:
-    return assignments_prefix(etcd, agent_id) + member
-
-
-def reports_prefix(etcd: Etcd, agent_id: str | None = None) -> str:
-    """Every agent's reports, or one agent's."""
-    return etcd.key("reports", agent_id) + "/" if agent_id else etcd.key("reports") + "/"
-
-
-def report_key(etcd: Etcd, agent_id: str, member: str) -> str:
-    return reports_prefix(etcd, agent_id) + member
-
-
-def placements_prefix(etcd: Etcd) -> str:
-    return etcd.key("placements") + "/"
-
-
-def placement_key(etcd: Etcd, placement: str) -> str:
-    return placements_prefix(etcd) + placement
-
-
-def new_placement(run_id: str, attempt: int) -> str:
-    """A placement id of its own for one try to place this attempt (two writers placing
-    the same attempt never share one: the commit of one starts nothing of the other's)."""
-    return f"{run_id}-a{attempt}-{secrets.token_hex(8)}"
-
-
-def placements_of(run_id: str, attempt: int | None = None) -> re.Pattern[str]:
-    """The placement ids of a run (of one attempt of it), exactly: never another run's
-    whose id merely starts with this one."""
-    which = str(attempt) if attempt is not None else "[0-9]{1,4}"
-    return re.compile(re.escape(run_id) + f"-a{which}-{PLACEMENT_TOKEN}")
-
-
-# -- what the values must be ---------------------------------------------------------------
 
 
 class AgentRecord(BaseModel):

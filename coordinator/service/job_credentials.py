@@ -21,6 +21,7 @@ from coordinator.etcd.users import (
     provision_job,
     revoke_job,
 )
+from coordinator.keys import Keys
 from coordinator.service.store import InvalidRecord, JobNotFound, JobStore
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,11 @@ log = logging.getLogger(__name__)
 class JobCredentials:
     def __init__(self, etcd: Etcd, store: JobStore) -> None:
         self.etcd, self.store = etcd, store
+        self.keys = Keys(etcd.namespace)
         self._per_job_users: bool | None = None  # None: not known yet
 
     def key(self, job_id: str) -> str:
-        return self.etcd.key("api", "credentials", job_id)
+        return self.keys.credential(job_id)
 
     def planned(self, job_id: str) -> Credentials | None:
         """The job's user with a new password (not made yet: `provision` does), or None
@@ -89,9 +91,8 @@ class JobCredentials:
             with_users = set(job_users(self.etcd))
         except CannotManageUsers:
             with_users = set()
-        prefix = self.key("")
-        stored, _ = self.etcd.get_prefix(prefix, keys_only=True)
-        for job_id in sorted(with_users | {kv.key[len(prefix) :] for kv in stored}):
+        stored, _ = self.etcd.get_prefix(self.keys.credentials, keys_only=True)
+        for job_id in sorted(with_users | {self.keys.credential_id(kv.key) for kv in stored}):
             try:
                 if not self.store.get(job_id).record.state.terminal:
                     continue

@@ -25,6 +25,7 @@ from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.session import Session
 from coordinator.etcd.txn import CreatedAt
 from coordinator.etcd.watch import WatchEvent
+from coordinator.keys import Keys
 
 #: Seconds of proven lease a leader keeps in hand: what one act (starting a process,
 #: recording it) may take before the lease could have expired.
@@ -38,7 +39,7 @@ class Leadership:
         if not 0 <= margin < ttl / 2:
             raise ValueError(f"leadership margin {margin}s must be under half the TTL ({ttl}s)")
         self.etcd, self.replica, self.ttl, self.margin = etcd, replica, ttl, margin
-        self.key = etcd.key("api", "leader")
+        self.key = Keys(etcd.namespace).leader
         self._session: Session | None = None  # kept while waiting to lead, too
         self._holding = False
         self._created_at = 0  # the leader key's create revision while we hold it

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.keys import member_name
+
 ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a DNS label: also a container name
 MAX_ARGS = 256  # a command's program and arguments
 MAX_ARG_CHARS = 4096
@@ -286,7 +288,7 @@ def _member_problem(record: JobRecord, attempt: int, member: Member, seen: set[i
         return "a kubernetes member is found by <namespace>/<job>/<its index>"
     if launcher == Launcher.AGENTS and (
         member.assignment is None
-        or not member.assignment.endswith(f"/{record.run_id}-a{attempt}-m{member.index}")
+        or not member.assignment.endswith("/" + member_name(record.run_id, attempt, member.index))
     ):
         return "an agents member is found by <agent>/<run id>-a<attempt>-m<its index>"
     return ""

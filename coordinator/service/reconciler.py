@@ -52,6 +52,7 @@ from coordinator.etcd.users import (
 from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
+from coordinator.keys import Keys
 from coordinator.launch import WorkerCommand
 from coordinator.service.following import Follower, fitting
 from coordinator.service.job_credentials import JobCredentials
@@ -108,6 +109,7 @@ class Reconciler:
         leadership: Leadership,
     ) -> None:
         self.etcd, self.store, self.launchers = etcd, store, launchers
+        self.keys = Keys(etcd.namespace)
         self.settings, self.leadership = settings, leadership
         self.launched = 0  # members started by this replica (for /metrics)
         self.restarts = 0
@@ -119,12 +121,12 @@ class Reconciler:
         self._leading = False
         self._deleted: set[str] = set()  # jobs whose records were deleted: users to remove
         self._deleted_lock = threading.Lock()
-        self._watch = etcd.watch(store.prefix, self._on_change, start_revision=0, prefix=True)
+        self._watch = etcd.watch(store.keys.records, self._on_change, start_revision=0, prefix=True)
         # Records each member just started, so that waiting for it is bounded by the lease.
         self._recorder = ThreadPoolExecutor(1, thread_name_prefix="record-member")
 
     def _on_change(self, events: list[WatchEvent]) -> None:
-        gone = [e.key[len(self.store.prefix) :] for e in events if e.kind == "delete"]
+        gone = [self.store.keys.record_id(e.key) for e in events if e.kind == "delete"]
         if gone:
             with self._deleted_lock:
                 self._deleted.update(gone)
@@ -457,12 +459,12 @@ class Reconciler:
     def _clear_rendezvous(self, job_id: str) -> None:
         """Revoke the leases of what the attempt's members left, and their rendezvous keys
         (a member killed by SIGKILL leaves its keys until its lease would expire)."""
-        prefix = self.etcd.key("jobs", job_id) + "/"
-        kvs, _ = self.etcd.get_prefix(prefix)
+        keys = self.keys.job(job_id)
+        kvs, _ = self.etcd.get_prefix(keys.job)
         for lease in {kv.lease for kv in kvs if kv.lease}:
             with contextlib.suppress(EtcdError):
                 self.etcd.revoke_lease(lease)
-        self.etcd.delete_prefix(prefix + "rendezvous/")
+        self.etcd.delete_prefix(keys.rendezvous)
 
     def _advance(self, job_id: str, state: JobState, reason: str, now: float) -> None:
         def change(record: JobRecord) -> JobRecord | None:

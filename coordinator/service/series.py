@@ -18,7 +18,6 @@ they change at every step, and every job kind that steps keeps them there.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,10 +37,7 @@ from coordinator.events import (
     parse_events,
 )
 from coordinator.jobs.steps import parse_barrier
-
-# A trainer's published clock (barriers.live): `clocks/<rank>` (ASP, DSSP, sampled) or
-# `order/<level>/<rank>` (BSP, SSP), under the job's `steps/<round>/`.
-CLOCK_KEY = re.compile(r"/steps/\d+/(?:clocks|order/\d+)/(\d{6})$")
+from coordinator.keys import step_clock_rank
 
 
 class CurvePoint(BaseModel):
@@ -113,14 +109,14 @@ def clock_bound(params: dict[str, str]) -> int | None:
 
 def live_clock(key: str, value: bytes) -> tuple[int, int] | None:
     """(rank, clock) of a barrier's clock key, or None for any other key."""
-    found = CLOCK_KEY.search(key)
-    if found is None:
+    rank = step_clock_rank(key)
+    if rank is None:
         return None
     try:
         clock = Clock.parse(value).clock if value.startswith(b"{") else int(value)
     except (ValueError, KeyError):
         return None
-    return int(found.group(1)), clock
+    return rank, clock
 
 
 def member_events(output: bytes) -> list[MemberEvent]:

@@ -34,6 +34,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import LeaseNotFound
 from coordinator.etcd.txn import Guard, KeyValue, Put
 from coordinator.etcd.watch import Watch, WatchEvent
+from coordinator.keys import Keys
 from coordinator.service.model import Condition, JobRecord, JobSpec, JobState
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def first_error(exc: ValidationError) -> str:
 class JobStore:
     def __init__(self, etcd: Etcd, mirror: bool = False) -> None:
         self.etcd = etcd
-        self.prefix = etcd.key("api", "jobs") + "/"
+        self.keys = Keys(etcd.namespace)
         self._mirror: dict[str, Stored | Rejected] | None = None
         self._deleted: dict[str, int] = {}  # id -> revision of its deletion (mirror only)
         self._reported: dict[str, int] = {}  # id -> the invalid revision last logged
@@ -109,9 +110,6 @@ class JobStore:
         self._watch: Watch | None = None
         if mirror:
             self._start_mirror()
-
-    def key(self, job_id: str) -> str:
-        return self.prefix + job_id
 
     # -- writes -----------------------------------------------------------------
 
@@ -126,7 +124,7 @@ class JobStore:
             conditions=[Condition(state=JobState.PENDING, reason="submitted", at=now)],
             submitted_at=now,
         )
-        created, current, _ = self.etcd.create(self.key(spec.id), record.model_dump_json())
+        created, current, _ = self.etcd.create(self.keys.record(spec.id), record.model_dump_json())
         stored = self._checked(spec.id, current)
         if created:
             return stored.record, True
@@ -161,7 +159,7 @@ class JobStore:
             raw = new.model_dump_json().encode()
             try:
                 written, current, revision = self.etcd.replace(
-                    self.key(job_id), raw, stored.mod_revision, when=guards, also=also
+                    self.keys.record(job_id), raw, stored.mod_revision, when=guards, also=also
                 )
             except LeaseNotFound:  # a reserved agent died meanwhile
                 return stored.record
@@ -179,10 +177,10 @@ class JobStore:
         """Delete the record if it is still as read, then every key the job's members left
         (`<ns>/jobs/<id>/`); False when the record changed meanwhile (nothing is deleted)."""
         job_id = stored.record.id
-        deleted, revision = self.etcd.delete_if(self.key(job_id), stored.mod_revision)
+        deleted, revision = self.etcd.delete_if(self.keys.record(job_id), stored.mod_revision)
         if deleted:
             self._forget(job_id, revision)
-            self.etcd.delete_prefix(self.etcd.key("jobs", job_id) + "/")
+            self.etcd.delete_prefix(self.keys.job(job_id).job)
         return deleted
 
     # -- reads ------------------------------------------------------------------
@@ -196,7 +194,7 @@ class JobStore:
                 raise entry.error
             if entry is not None:
                 return entry
-        kv = self.etcd.get(self.key(job_id))  # not mirrored (yet): ask etcd
+        kv = self.etcd.get(self.keys.record(job_id))  # not mirrored (yet): ask etcd
         if kv is None:
             raise JobNotFound(job_id)
         return self._checked(job_id, kv)
@@ -220,10 +218,10 @@ class JobStore:
             return
         after: str | None = None
         while True:
-            kvs, more = self.etcd.page(self.prefix, after, 500)
+            kvs, more = self.etcd.page(self.keys.records, after, 500)
             for kv in kvs:
                 try:
-                    yield self._checked(kv.key[len(self.prefix) :], kv)
+                    yield self._checked(self.keys.record_id(kv.key), kv)
                 except InvalidRecord:
                     continue  # logged; left alone
             if not more or not kvs:
@@ -272,23 +270,25 @@ class JobStore:
             if self._reported.get(error.job_id) == revision:
                 return
             self._reported[error.job_id] = revision
-        log.warning("ignoring %r (revision %d): %s", self.key(error.job_id), revision, error.cause)
+        log.warning(
+            "ignoring %r (revision %d): %s", self.keys.record(error.job_id), revision, error.cause
+        )
 
     # -- the mirror -----------------------------------------------------------------
 
     def _start_mirror(self) -> None:
         self._mirror = {}
-        kvs, revision = self.etcd.get_prefix(self.prefix)
+        kvs, revision = self.etcd.get_prefix(self.keys.records)
         for kv in kvs:
-            job_id = kv.key[len(self.prefix) :]
+            job_id = self.keys.record_id(kv.key)
             self._offer_quietly(job_id, kv.value, kv.mod_revision, kv.create_revision)
         self._watch = self.etcd.watch(
-            self.prefix, self._on_events, start_revision=revision + 1, prefix=True
+            self.keys.records, self._on_events, start_revision=revision + 1, prefix=True
         )
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for event in events:
-            job_id = event.key[len(self.prefix) :]
+            job_id = self.keys.record_id(event.key)
             if event.kind == "delete":
                 self._forget(job_id, event.revision)
             else:

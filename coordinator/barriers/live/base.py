@@ -36,8 +36,9 @@ from coordinator.barriers.live.records import Clock, Counters, OnLoss, Passage
 from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.etcd.errors import LeaseNotFound
 from coordinator.etcd.watch import Watch, WatchEvent
+from coordinator.keys import StepKeys, rank_of
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
-from coordinator.rendezvous.member import Member, loss_reason, member_state, rank_of
+from coordinator.rendezvous.member import Member, loss_reason, member_state
 
 Inboxed = tuple[Callable[[Any], None], Any]  # what to apply on the worker's thread, and to what
 
@@ -94,9 +95,7 @@ class LiveBarrier:
         self.rank: int = member.rank
         self.on_loss = on_loss
         self.timeout = member.timeout if timeout is None else timeout
-        self.root = root or member.keys.job + "steps/"
-        self.round_prefix = f"{self.root}{member.round}/"
-        self.prefix = f"{self.round_prefix}clocks/"
+        self.keys = StepKeys(root or member.keys.steps, member.round)
         self.clock = start_clock
         # The ranks that step (a parameter server's trainers); the others never publish a
         # clock, and losing one of them fails the steps whatever `on_loss` says.
@@ -117,9 +116,6 @@ class LiveBarrier:
         self._watches: list[Watch] = []
         self._setup()
 
-    def clock_key(self, rank: int) -> str:
-        return f"{self.prefix}{rank:06d}"
-
     # -- what a method adds -----------------------------------------------
 
     def _setup(self) -> None:
@@ -133,7 +129,7 @@ class LiveBarrier:
 
     def _write_clock(self, value: str, done: bool, stepped: bool) -> int:
         """Publish this worker's clock; the revision. `stepped`: after a step, not at start."""
-        return self.etcd.put(self.clock_key(self.rank), value, self.member.lease_id)
+        return self.etcd.put(self.keys.clock(self.rank), value, self.member.lease_id)
 
     def _wait(self, started: float) -> Passage:
         """Block until the method lets this worker start step `clock + 1`."""

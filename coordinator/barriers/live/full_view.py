@@ -21,7 +21,7 @@ from coordinator.barriers.live.base import LiveBarrier
 from coordinator.barriers.live.records import Clock, Passage
 from coordinator.barriers.policy import Method
 from coordinator.etcd.watch import WatchEvent
-from coordinator.rendezvous.member import rank_of
+from coordinator.keys import rank_of
 
 
 class FullViewBarrier(LiveBarrier, methods=(Method.DSSP,)):
@@ -31,20 +31,19 @@ class FullViewBarrier(LiveBarrier, methods=(Method.DSSP,)):
         self._view: dict[int, Clock] = {}  # every peer's clock, as the watch tells it
         self._credit = Credit()
 
-    def credit_key(self) -> str:
-        return f"{self.root}dssp/{self.rank:06d}"
-
     def _after_start_barrier(self) -> None:
-        kv = self.etcd.get(self.credit_key())
+        kv = self.etcd.get(self.keys.credit(self.rank))
         if kv is not None:
             data = json.loads(kv.value)
             self._credit = Credit(data["remaining"], data["granted_this_episode"])
-        clocks, revision = self.etcd.get_prefix(self.prefix)
+        clocks, revision = self.etcd.get_prefix(self.keys.clocks)
         for kv in clocks:
             self._view[rank_of(kv.key)] = Clock.parse(kv.value)
         for rank in sorted(self.live - set(self._view)):
             self._peer_lost(rank, "its clock vanished before the first step")
-        self._watch(self.prefix, self._clocks_changed, revision + 1, prefix=True, prev_kv=False)
+        self._watch(
+            self.keys.clocks, self._clocks_changed, revision + 1, prefix=True, prev_kv=False
+        )
 
     # -- the decision -----------------------------------------------------
 
@@ -91,7 +90,7 @@ class FullViewBarrier(LiveBarrier, methods=(Method.DSSP,)):
             "remaining": self._credit.remaining,
             "granted_this_episode": self._credit.granted_this_episode,
         }
-        self.etcd.put(self.credit_key(), json.dumps(credit))
+        self.etcd.put(self.keys.credit(self.rank), json.dumps(credit))
 
     # -- events -----------------------------------------------------------
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 
 from coordinator.barriers.live.base import LiveBarrier
-from coordinator.barriers.live.records import DONE, LEVEL_DIGITS, Passage
+from coordinator.barriers.live.records import DONE, Passage
 from coordinator.barriers.policy import Method, may_start
 from coordinator.etcd.txn import Delete, Empty, First, KeyValue, Put, prefix_end
 from coordinator.etcd.watch import WatchEvent
-from coordinator.rendezvous.member import rank_of
+from coordinator.keys import rank_of
 
 
 class OrderedBarrier(LiveBarrier, methods=(Method.BSP, Method.SSP)):
@@ -34,33 +34,19 @@ class OrderedBarrier(LiveBarrier, methods=(Method.BSP, Method.SSP)):
         self._level: int | None = None  # this worker's order level
         self._slowest = -1  # the highest job-wide slowest clock known
 
-    # -- keys -------------------------------------------------------------
-
-    def order_prefix(self) -> str:
-        return f"{self.round_prefix}order/"
-
-    def level_prefix(self, level: int) -> str:
-        return f"{self.order_prefix()}{level:0{LEVEL_DIGITS}d}/"
-
-    def order_key(self, level: int, rank: int) -> str:
-        return f"{self.level_prefix(level)}{rank:06d}"
-
-    def slowest_key(self) -> str:
-        return f"{self.round_prefix}slowest"
-
     def _lowest(self) -> First:
         """The read of the lowest order key: the slowest worker."""
-        return First(self.order_prefix(), prefix_end(self.order_prefix()))
+        return First(self.keys.order, prefix_end(self.keys.order))
 
     def _level_of(self, kv: KeyValue | None) -> int:
-        return int(kv.key[len(self.order_prefix()) :].split("/")[0]) if kv is not None else DONE
+        return self.keys.level_of(kv.key) if kv is not None else DONE
 
     # -- publishing and reading -------------------------------------------
 
     def _after_start_barrier(self) -> None:
         # Everyone has published by now, so the lowest order key is exact.
         revision = self._refresh_slowest()
-        self._watch(self.slowest_key(), self._slowest_raised, revision + 1, prev_kv=False)
+        self._watch(self.keys.slowest, self._slowest_raised, revision + 1, prev_kv=False)
 
     def _write_clock(self, value: str, done: bool, stepped: bool) -> int:
         """Move this worker's order key up to its new clock, in one transaction.
@@ -73,23 +59,23 @@ class OrderedBarrier(LiveBarrier, methods=(Method.BSP, Method.SSP)):
         """
         level = DONE if done else self.clock
         lease = self.member.lease_id
-        moved = [Put(self.order_key(level, self.rank), value, lease), self._lowest()]
+        moved = [Put(self.keys.ordered(level, self.rank), value, lease), self._lowest()]
         old = self._level
         if old is None:
             result = self.etcd.transaction(moved)
         else:
-            mine = self.order_key(old, self.rank)
+            mine = self.keys.ordered(old, self.rank)
             moved.insert(1, Delete(mine))
-            below_me = Empty(self.order_prefix(), mine.encode())
-            beside_me = Empty(mine + "\0", prefix_end(self.level_prefix(old)))
-            raise_it = Put(self.slowest_key(), str(old + 1))
+            below_me = Empty(self.keys.order, mine.encode())
+            beside_me = Empty(mine + "\0", prefix_end(self.keys.level(old)))
+            raise_it = Put(self.keys.slowest, str(old + 1))
             result = self.etcd.transaction(
                 [*moved, raise_it], when=[below_me, beside_me], otherwise=moved
             )
         self._level = level
         lowest = self._level_of(result.reads[0])
         if result.succeeded and old is not None and lowest > old + 1:
-            self.etcd.put(self.slowest_key(), str(lowest))
+            self.etcd.put(self.keys.slowest, str(lowest))
         self._slowest = max(self._slowest, lowest)
         return result.revision
 
@@ -101,8 +87,8 @@ class OrderedBarrier(LiveBarrier, methods=(Method.BSP, Method.SSP)):
 
     def _slowest_ranks(self) -> list[int]:
         """Who is at the lowest level now (read only to name them in a timeout)."""
-        keys, _ = self.etcd.get_prefix(self.order_prefix())
-        levels = {kv.key: self._level_of(kv) for kv in keys}
+        ordered, _ = self.etcd.get_prefix(self.keys.order)
+        levels = {kv.key: self._level_of(kv) for kv in ordered}
         low = min(levels.values(), default=DONE)
         return sorted(rank_of(key) for key, level in levels.items() if level == low)
 

@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from coordinator.keys import LEVEL_DIGITS
+
 DONE = 10**12 - 1  # the clock of a finished worker (its order level, its `at` value): above all
-LEVEL_DIGITS = 12
 
 
 class OnLoss(StrEnum):

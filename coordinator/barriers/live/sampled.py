@@ -33,7 +33,7 @@ from coordinator.barriers.live.sample_stream import StepRandom, positions
 from coordinator.barriers.policy import Method, draw_sample, may_start
 from coordinator.etcd.txn import Get, KeyValue, Put, TxnOp, ValueIs, When
 from coordinator.etcd.watch import WatchEvent
-from coordinator.rendezvous.member import rank_of
+from coordinator.keys import rank_of
 
 MAX_TXN_OPS = 128  # etcd's default cap: a transaction's operations plus its widest nested one
 
@@ -56,15 +56,6 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
         self._vouched = -1  # the last clock whose whole sample a wake-up vouched for
         self._stale = False  # a peer finished or was lost: a wake-up may never come
         self._left: set[int] = set()  # lost peers whose `at` key is not DONE yet
-
-    # -- keys -------------------------------------------------------------
-
-    def at_key(self, rank: int) -> str:
-        """A worker's clock, fixed-width, so a transaction can compare it."""
-        return f"{self.round_prefix}at/{rank:06d}"
-
-    def mailbox(self, rank: int) -> str:
-        return f"{self.round_prefix}mail/{rank:06d}/"
 
     # -- samples ----------------------------------------------------------
 
@@ -111,7 +102,7 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
 
     def _watch_before_publish(self) -> None:
         # Before the first publish: no mail for this worker can precede it.
-        self._watch(self.mailbox(self.rank), self._mail_arrived, 0, prefix=True, prev_kv=False)
+        self._watch(self.keys.mailbox(self.rank), self._mail_arrived, 0, prefix=True, prev_kv=False)
 
     def _write_clock(self, value: str, done: bool, stepped: bool) -> int:
         """Publish, wake who waits for this clock, read the next sample: one request.
@@ -129,7 +120,7 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
         barrier follows it).
         """
         lease = self.member.lease_id
-        me, at = self.clock_key(self.rank), self.at_key(self.rank)
+        me, at = self.keys.clock(self.rank), self.keys.at(self.rank)
         bound = self.spec.bound or 0
         now = fixed(DONE if done else self.clock)
         ops: list[TxnOp] = [Put(me, value, lease), Put(at, now, lease), *self._mark_left()]
@@ -139,17 +130,17 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
             # Anyone beyond k + s may be waiting for this worker: wake them all.
             for rank in self._ordered:
                 if rank != self.rank:
-                    beyond = ValueIs(self.at_key(rank), ">", fixed(self.clock + bound))
-                    waiting = ValueIs(self.at_key(rank), "<", finished)
+                    beyond = ValueIs(self.keys.at(rank), ">", fixed(self.clock + bound))
+                    waiting = ValueIs(self.keys.at(rank), "<", finished)
                     mail.append(When((beyond, waiting), (self._wake_up(rank, now),)))
         elif stepped:
             there = fixed(self.clock + bound)
             for rank, sample in self.samplers(self.clock + bound).items():
-                others = [ValueIs(self.at_key(r), ">", ready) for r in sample if r != self.rank]
-                waits = ValueIs(self.at_key(rank), "=", there)
+                others = [ValueIs(self.keys.at(r), ">", ready) for r in sample if r != self.rank]
+                waits = ValueIs(self.keys.at(rank), "=", there)
                 mail.append(When((waits, *others), (self._wake_up(rank, now),)))
         sample = self.sample_of(self.rank, self.clock) if stepped else []
-        reads = [Get(self.at_key(r)) for r in sample]
+        reads = [Get(self.keys.at(r)) for r in sample]
         # Wake-ups may follow the clock in later transactions (etcd caps a transaction's
         # size): a peer that reads in between already sees the clock.
         room = max(1, MAX_TXN_OPS - max((len(m.conditions) for m in mail), default=0))
@@ -162,7 +153,7 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
         return result.revision
 
     def _wake_up(self, rank: int, clock: str) -> Put:
-        return Put(f"{self.mailbox(rank)}{self.rank:06d}", clock, self.member.lease_id)
+        return Put(self.keys.mail(rank, self.rank), clock, self.member.lease_id)
 
     def _mark_left(self) -> list[TxnOp]:
         """Puts that mark the peers lost since the last ones (`OnLoss.CONTINUE`) finished.
@@ -171,7 +162,7 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
         every wake-up condition that names it: marked `DONE` it satisfies them, as
         a finished worker does. Not leased: the mark must outlive whoever put it.
         """
-        marks: list[TxnOp] = [Put(self.at_key(r), fixed(DONE)) for r in sorted(self._left)]
+        marks: list[TxnOp] = [Put(self.keys.at(r), fixed(DONE)) for r in sorted(self._left)]
         self._left.clear()
         return marks
 
@@ -189,7 +180,7 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
         drawn, self._next_sample = self._next_sample, None
         if drawn is None:  # the first check after start: nothing was read with a publish
             ranks = self.sample_of(self.rank, self.clock)
-            reads = [Get(self.at_key(r)) for r in ranks]
+            reads = [Get(self.keys.at(r)) for r in ranks]
             drawn = _Sample(ranks, self.etcd.transaction(reads).reads if reads else [])
         self.counters.reads += len(drawn.ranks)
         seen: dict[int, int] = {}  # rank -> clock, DONE once finished
@@ -218,7 +209,7 @@ class SampledBarrier(LiveBarrier, methods=(Method.PBSP, Method.PSSP)):
             while not passed():
                 if self._stale:
                     self._stale = False
-                    again = [Get(self.at_key(r)) for r in drawn.ranks]
+                    again = [Get(self.keys.at(r)) for r in drawn.ranks]
                     self.counters.reads += len(again)
                     learn(self.etcd.transaction([*self._mark_left(), *again]).reads)
                     continue

@@ -2,10 +2,10 @@
 
 `reserve` places all of an attempt's members on live agents with free slots
 that carry the job's labels (`placement.place`), as one assignment key per
-member bound to its agent's lease (keys: `agent_keys`). The reconciler writes
-them in the same transaction that moves the job to STARTING, guarded by each
-chosen agent's registration (the same agent, still alive) and by its
-assignments (nobody placed members on it since they were read): so two
+member bound to its agent's lease (keys: `coordinator.keys`; values: `agent_keys`).
+The reconciler writes them in the same transaction that moves the job to
+STARTING, guarded by each chosen agent's registration (the same agent, still
+alive) and by its assignments (nobody placed members on it since they were read): so two
 replicas never over-fill an agent, and a job is placed whole or not at all.
 
 A placement too big for one transaction (`max_txn_ops`, `max_txn_bytes`) is
@@ -40,21 +40,8 @@ from pydantic import ValidationError
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, Delete, Empty, KeyValue, Put, QuietSince, ValueIs, When
-from coordinator.service.agent_keys import (
-    PLACEMENT_PATTERN,
-    AgentRecord,
-    Report,
-    agent_key,
-    assignment_key,
-    assignments_prefix,
-    member_name,
-    new_placement,
-    placement_key,
-    placements_of,
-    placements_prefix,
-    report_key,
-    reports_prefix,
-)
+from coordinator.keys import Keys, leaf, member_name, new_placement, of_run, placements_of
+from coordinator.service.agent_keys import PLACEMENT_PATTERN, AgentRecord, Report
 from coordinator.service.chunks import (
     DEFAULT_MAX_TXN_BYTES,
     DEFAULT_MAX_TXN_OPS,
@@ -87,6 +74,7 @@ class AgentsLauncher:
         if not placement_grace > 0:
             raise ValueError("placement_grace must be a positive number of seconds")
         self.etcd = etcd
+        self.keys = Keys(etcd.namespace)
         # The most operations (and bytes) of one transaction this launcher makes or
         # hands the reconciler: bigger placements are written in chunks.
         self.max_txn_ops = max_txn_ops
@@ -104,19 +92,18 @@ class AgentsLauncher:
     def rooms(self) -> tuple[list[AgentRoom], dict[str, KeyValue], int]:
         """The live agents with their slots in use, their registrations, and the
         revision the assignments were read at."""
-        registered, _ = self.etcd.get_prefix(self.etcd.key("agents") + "/")
-        assigned, revision = self.etcd.get_prefix(assignments_prefix(self.etcd))
-        start = len(assignments_prefix(self.etcd))
+        registered, _ = self.etcd.get_prefix(self.keys.agents)
+        assigned, revision = self.etcd.get_prefix(self.keys.assignments())
         used: Counter[str] = Counter()
         gpus_used: dict[str, set[int]] = {}
         for kv in assigned:
-            agent_id = kv.key[start:].partition("/")[0]
+            agent_id, _ = self.keys.assigned(kv.key)
             used[agent_id] += 1
             gpus_used.setdefault(agent_id, set()).update(_assigned_gpus(kv))
         kvs = {}
         rooms = []
         for kv in registered:
-            agent_id = kv.key.rpartition("/")[2]
+            agent_id = leaf(kv.key)
             record = _registration(kv)
             if record is not None:
                 kvs[agent_id] = kv
@@ -158,7 +145,7 @@ class AgentsLauncher:
         members, writes = [], []
         for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
             name = member_name(launch.run_id, launch.attempt, index)
-            key = assignment_key(self.etcd, agent_id, name)
+            key = self.keys.assignment(agent_id, name)
             writes.append(Write(agent_id, key, json.dumps(assignment).encode()))
             members.append(Member(index=index, assignment=f"{agent_id}/{name}"))
         if not fits_one_transaction(writes, self.max_txn_ops, self.max_txn_bytes):
@@ -169,7 +156,7 @@ class AgentsLauncher:
         for agent_id in sorted({agent_id for agent_id, _ in placed}):
             registration = registrations[agent_id]
             guards.append(CreatedAt(registration.key, registration.create_revision))
-            guards.append(QuietSince(assignments_prefix(self.etcd, agent_id), revision))
+            guards.append(QuietSince(self.keys.assignments(agent_id), revision))
         return Reservation(puts=puts, guards=guards, members=members)
 
     def _reserve_ahead(
@@ -189,12 +176,12 @@ class AgentsLauncher:
         for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
             name = member_name(launch.run_id, launch.attempt, index)
             value = json.dumps({**assignment, "placement": placement}).encode()
-            writes.append(Write(agent_id, assignment_key(self.etcd, agent_id, name), value))
+            writes.append(Write(agent_id, self.keys.assignment(agent_id, name), value))
         agents = {agent_id for agent_id, _ in placed}
         registered = {
             a: CreatedAt(registrations[a].key, registrations[a].create_revision) for a in agents
         }
-        prefixes = {a: assignments_prefix(self.etcd, a) for a in agents}
+        prefixes = {a: self.keys.assignments(a) for a in agents}
         written_at = dict.fromkeys(agents, revision)
         written: list[Write] = []
         for chunk in chunks(writes, self.max_txn_ops, self.max_txn_bytes):
@@ -211,7 +198,7 @@ class AgentsLauncher:
             written += chunk
             written_at.update(dict.fromkeys({w.agent_id for w in chunk}, result.revision))
         commit = {"run_id": launch.run_id, "attempt": launch.attempt, "members": len(members)}
-        put = Put(placement_key(self.etcd, placement), json.dumps(commit))
+        put = Put(self.keys.placement(placement), json.dumps(commit))
         return Reservation(
             puts=[put], members=members, release=lambda: self._withdraw(placement, written)
         )
@@ -220,7 +207,7 @@ class AgentsLauncher:
         """Delete these assignments of an uncommitted placement: each only if it still
         holds what was written, and none once the placement is committed (checked in
         each transaction). Best effort: what is left, the sweep removes."""
-        commit = placement_key(self.etcd, placement)
+        commit = self.keys.placement(placement)
         try:
             # Each deletion a nested transaction of one condition: one op less per chunk.
             for chunk in chunks(writes, self.max_txn_ops - 1, self.max_txn_bytes):
@@ -240,15 +227,14 @@ class AgentsLauncher:
         if now - self._swept_at < min(5.0, max(0.2, self.placement_grace / 4)):
             return 0
         self._swept_at = now
-        start = len(assignments_prefix(self.etcd))
-        assigned, _ = self.etcd.get_prefix(assignments_prefix(self.etcd))
-        committed, _ = self.etcd.get_prefix(placements_prefix(self.etcd), keys_only=True)
-        made = {kv.key[len(placements_prefix(self.etcd)) :] for kv in committed}
+        assigned, _ = self.etcd.get_prefix(self.keys.assignments())
+        committed, _ = self.etcd.get_prefix(self.keys.placements, keys_only=True)
+        made = {self.keys.placement_id(kv.key) for kv in committed}
         waiting: dict[str, list[Write]] = {}
         for kv in assigned:
             placement = _placement_of(kv)
             if placement is not None and placement not in made:
-                agent_id = kv.key[start:].partition("/")[0]
+                agent_id, _ = self.keys.assigned(kv.key)
                 waiting.setdefault(placement, []).append(Write(agent_id, kv.key, kv.value))
         self._uncommitted = {p: self._uncommitted.get(p, now) for p in waiting}
         removed = 0
@@ -266,18 +252,19 @@ class AgentsLauncher:
         self._delete_commits(placements_of(run_id, attempt))
 
     def _delete_commits(self, which: re.Pattern[str]) -> int:
-        prefix = placements_prefix(self.etcd)
-        commits, _ = self.etcd.get_prefix(prefix, keys_only=True)
+        commits, _ = self.etcd.get_prefix(self.keys.placements, keys_only=True)
         return sum(
-            self.etcd.delete(kv.key) for kv in commits if which.fullmatch(kv.key[len(prefix) :])
+            self.etcd.delete(kv.key)
+            for kv in commits
+            if which.fullmatch(self.keys.placement_id(kv.key))
         )
 
     def start(self, launch: Launch, index: int) -> Member:
         """The member as `reserve` placed it (its agent started it on its own)."""
         name = member_name(launch.run_id, launch.attempt, index)
-        assigned, _ = self.etcd.get_prefix(assignments_prefix(self.etcd), keys_only=True)
+        assigned, _ = self.etcd.get_prefix(self.keys.assignments(), keys_only=True)
         for kv in assigned:
-            agent_id, _, assigned_name = kv.key[len(assignments_prefix(self.etcd)) :].partition("/")
+            agent_id, assigned_name = self.keys.assigned(kv.key)
             if assigned_name == name:
                 return Member(index=index, assignment=f"{agent_id}/{name}")
         raise RuntimeError(f"member {index} of {launch.run_id} was never placed on an agent")
@@ -311,12 +298,12 @@ class AgentsLauncher:
         writes the report with the assignment's deletion, and a deleted assignment never
         comes back, so a report missing before the assignment was found gone is read
         again."""
-        report = self.etcd.get(report_key(self.etcd, agent_id, name))
+        report = self.etcd.get(self.keys.report(agent_id, name))
         if report is not None:
             return report, True
-        if self.etcd.get(assignment_key(self.etcd, agent_id, name)) is not None:
+        if self.etcd.get(self.keys.assignment(agent_id, name)) is not None:
             return None, True
-        return self.etcd.get(report_key(self.etcd, agent_id, name)), False
+        return self.etcd.get(self.keys.report(agent_id, name)), False
 
     def terminate(self, member: Member) -> None:
         self._stop(member, "SIGTERM")
@@ -328,7 +315,7 @@ class AgentsLauncher:
         """Ask the member's agent to signal it: `stop` in its assignment (which exists
         only while the member is assigned; a replace never brings it back)."""
         agent_id, name = _parts(member)
-        key = assignment_key(self.etcd, agent_id, name)
+        key = self.keys.assignment(agent_id, name)
         try:
             kv = self.etcd.get(key)
             if kv is None:
@@ -361,7 +348,7 @@ class AgentsLauncher:
 
     def _address(self, agent_id: str) -> tuple[str, str] | None:
         """The agent's output server and its token, from its live registration only."""
-        kv = self.etcd.get(agent_key(self.etcd, agent_id))
+        kv = self.etcd.get(self.keys.agent(agent_id))
         record = _registration(kv) if kv is not None else None
         if record is None:
             return None
@@ -371,10 +358,10 @@ class AgentsLauncher:
     def remove(self, run_id: str) -> int:
         """Forget the submission's member reports and placement commits (the agents keep
         their output files)."""
-        reports, _ = self.etcd.get_prefix(reports_prefix(self.etcd), keys_only=True)
+        reports, _ = self.etcd.get_prefix(self.keys.reports(), keys_only=True)
         removed = 0
         for kv in reports:
-            if kv.key.rpartition("/")[2].startswith(f"{run_id}-a"):
+            if of_run(leaf(kv.key), run_id):
                 removed += self.etcd.delete(kv.key)
         return removed + self._delete_commits(placements_of(run_id))
 

@@ -32,6 +32,7 @@ from sse_starlette.sse import EventSourceResponse
 from coordinator.etcd.watch import WatchEvent
 from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round, Step
 from coordinator.jobs.kinds import KINDS
+from coordinator.keys import JobKeys
 from coordinator.service.context import API, ApiContext, Context, granted, reader, stored_or_404
 from coordinator.service.model import JobRecord, Member
 from coordinator.service.series import Series, clock_bound, collect, live_clock, member_events
@@ -116,7 +117,7 @@ def _all_events(context: ApiContext, record: JobRecord) -> list[MemberEvent]:
 
 async def _live(context: ApiContext, record: JobRecord) -> AsyncIterator[dict[str, str]]:
     etcd = context.etcd
-    prefix = etcd.key("jobs", record.id, "steps") + "/"
+    prefix = JobKeys(etcd.namespace, record.id).steps
     latest: dict[int, int] = {}
     lock = threading.Lock()
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.etcd.errors import EtcdError
+from coordinator.keys import Keys
 from coordinator.service.context import Context, reader
 
 READY_WINDOW = 1.0  # seconds /readyz retries etcd before it says 503
@@ -27,7 +28,7 @@ def readyz(context: Context) -> JSONResponse:
     """Ready when etcd answers a read within a second: a probe that waits out the
     client's whole retry window would leave a load balancer routing to us meanwhile."""
     try:
-        context.etcd.get(context.etcd.key("api", "leader"), window=READY_WINDOW)
+        context.etcd.get(Keys(context.etcd.namespace).leader, window=READY_WINDOW)
     except EtcdError as exc:
         return JSONResponse({"status": "etcd unavailable", "detail": str(exc)}, 503)
     return JSONResponse({"status": "ready"})

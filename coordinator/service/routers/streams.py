@@ -89,7 +89,7 @@ async def _record_changes(
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[list[WatchEvent]] = asyncio.Queue()
     watch = etcd.watch(
-        store.key(job_id),
+        store.keys.record(job_id),
         lambda events: loop.call_soon_threadsafe(queue.put_nowait, events),
         start_revision=last_seen + 1,
         prev_kv=False,
