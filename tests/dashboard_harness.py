@@ -5,8 +5,9 @@ Shared by tests/test_dashboard.py and bench/dashboard.py, so it needs no pytest:
 - `launch`: headless chromium from `/usr/bin/chromium` (or `$COORDINATOR_CHROMIUM`);
 - `Watched`: a page whose every request must stay on loopback and whose console
   must stay free of errors and uncaught exceptions; `problems()` lists what went
-  wrong, `assert_clean()` fails with all of it; `sign_in` opens the link that
-  `coordinator serve` prints (the token in its fragment);
+  wrong, `assert_clean()` fails with all of it; `answers` keeps each response's
+  status and content type (the page's modules must come as JavaScript); `sign_in`
+  opens the link that `coordinator serve` prints (the token in its fragment);
 - `HISTORY`: an init script that records every value the page ever showed in the
   cells and attributes a test follows (a MutationObserver: it sees each DOM
   change as it happens, so no intermediate state is missed between two looks).
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, Request
+from playwright.sync_api import Browser, ConsoleMessage, Page, Playwright, Request, Response
 
 CHROMIUM = Path(os.environ.get("COORDINATOR_CHROMIUM", "/usr/bin/chromium"))
 VIEWPORT = {"width": 1400, "height": 1000}
@@ -58,6 +59,7 @@ class Watched:
     off_loopback: list[str] = field(default_factory=list)
     console_errors: list[str] = field(default_factory=list)
     page_errors: list[str] = field(default_factory=list)
+    answers: dict[str, tuple[int, str]] = field(default_factory=dict)  # url -> status, type
     # (status, url path) of non-2xx answers the test provoked on purpose (a 422, say):
     # Chromium logs those as console errors although the page handled them.
     expected: set[tuple[int, str]] = field(default_factory=set)
@@ -66,6 +68,7 @@ class Watched:
 
     def __post_init__(self) -> None:
         self.page.on("request", self._on_request)
+        self.page.on("response", self._on_response)
         self.page.on("console", self._on_console)
         self.page.on("pageerror", lambda error: self.page_errors.append(str(error)))
 
@@ -73,6 +76,9 @@ class Watched:
         self.requests.append(f"{request.method} {request.url}")
         if not on_loopback(request.url):
             self.off_loopback.append(f"{request.method} {request.url}")
+
+    def _on_response(self, response: Response) -> None:
+        self.answers[response.url] = (response.status, response.headers.get("content-type", ""))
 
     def _on_console(self, message: ConsoleMessage) -> None:
         if message.type != "error":

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from playwright.sync_api import Browser, expect, sync_playwright
@@ -23,6 +24,7 @@ from playwright.sync_api import Browser, expect, sync_playwright
 from coordinator.etcd.client import Etcd
 from coordinator.jobs.kinds import KINDS
 from coordinator.service.model import JobSpec, JobState
+from coordinator.service.routers.dashboard import WEB
 from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.dashboard_harness import CHROMIUM, HISTORY, PHASES, VIEWPORT, Watched, launch
@@ -350,8 +352,6 @@ def test_a_reader_sees_no_controls_and_a_submitter_does(
 
 # -- kinds come from /v1/kinds ----------------------------------------------------------------
 
-APP_JS = Path(__file__).resolve().parent.parent / "coordinator" / "web" / "app.js"
-
 
 def without_comments(source: str) -> str:
     """JavaScript without its // line comments and /* */ blocks (a "//" inside a string,
@@ -361,12 +361,14 @@ def without_comments(source: str) -> str:
 
 
 def test_the_page_names_no_kind() -> None:
-    code = without_comments(APP_JS.read_text())
+    modules = {path.name: without_comments(path.read_text()) for path in WEB.glob("*.js")}
+    code = "\n".join(modules.values())
     assert "fetch(path" in code and "/v1/kinds" in code  # the check reads the real code
     named = re.compile(rf"\b({'|'.join(map(re.escape, KINDS))})\b")
     found = [
-        f"app.js:{number}: {line.strip()}"
-        for number, line in enumerate(code.splitlines(), 1)
+        f"{name}:{number}: {line.strip()}"
+        for name, module in sorted(modules.items())
+        for number, line in enumerate(module.splitlines(), 1)
         if named.search(line)
     ]
     assert not found, "kind names in the dashboard's code (they come from /v1/kinds):\n" + (
@@ -503,6 +505,16 @@ def test_the_printed_link_signs_in_and_the_token_leaves_the_address_bar(
     page = pages(link)
     expect(page.page.locator("body")).to_have_attribute("data-role", "exec")
     expect(page.page.locator("table#jobs")).to_be_visible()
+    # Every module of the page came, as JavaScript (a browser refuses a module script of
+    # another type), and ran: importing it again gives its module, not its error.
+    modules = sorted(f"/ui/{path.name}" for path in WEB.glob("*.js"))
+    assert len(modules) > 2, modules
+    answered = {urlsplit(url).path: answer for url, answer in page.answers.items()}
+    for module in modules:
+        status, kind = answered.get(module, (None, ""))
+        assert status == 200, f"{module}: {status}"
+        assert kind.split(";")[0] in ("text/javascript", "application/javascript"), (module, kind)
+    page.page.evaluate("async (urls) => { for (const url of urls) await import(url); }", modules)
     assert page.page.url == f"{service.url}/#/"  # out of the address bar...
     stored = page.page.evaluate("() => Object.values(sessionStorage)")
     assert token in stored, stored

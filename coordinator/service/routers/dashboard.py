@@ -3,7 +3,9 @@
 The page (`coordinator/web/`: HTML, CSS and JS of our own, no build step and
 nothing from a CDN) is served to anyone, its files under `/ui` (`WEB`, mounted by
 `create_app`); everything it shows comes from the API with the user's token, so
-the page itself holds no data.
+the page itself holds no data. Its scripts are ES modules (app.js imports a module
+per view), which a browser runs only when served as JavaScript: the static files'
+`.js` type (tests/test_dashboard.py checks it).
 
 - `GET /v1/whoami`: the token's role, so the page shows a reader no controls.
 - `GET /v1/jobs/{id}/series`: the charts' history, from the members' events.
