@@ -39,7 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api import Service, console, through_service, wait_for  # bench/api.py
+from api import Service, console, through_service  # bench/api.py
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
@@ -49,6 +49,7 @@ from coordinator.service.leadership import Leadership
 from coordinator.service.model import JobSpec, JobState, Launcher
 from coordinator.service.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.store import JobStore
+from tests.support.wait import wait_until
 
 NAMESPACE = "/bench-api"  # the namespace bench/api.py's Service serves
 AGENTS = 4
@@ -65,7 +66,7 @@ def start_agents(endpoint: str, data: Path, slots: int) -> list[subprocess.Popen
         log = open(data / f"agent-{n}.log", "wb")  # noqa: SIM115 (the process holds it)
         agents.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
     with Etcd(endpoint, namespace=NAMESPACE) as etcd:
-        wait_for(
+        wait_until(
             lambda: len(etcd.get_prefix(etcd.key("agents") + "/")[0]) == AGENTS,
             60,
             "every agent registered",
@@ -135,8 +136,8 @@ def scheduler_pass(endpoint: str, jobs: int, agents: int, seed: int) -> Table:
                         id=f"q{n:04}", kind="noop", workers=rng.randint(1, 8), launcher="agents"
                     )
                     store.submit(spec, time.time())
-            wait_for(lambda: len(list(store.scan())) == jobs, 30, "the mirror to hold every job")
-            wait_for(leadership.try_to_lead, 10, "the reconciler to lead")  # it acts only then
+            wait_until(lambda: len(list(store.scan())) == jobs, 30, "the mirror to hold every job")
+            wait_until(leadership.try_to_lead, 10, "the reconciler to lead")  # it acts only then
             timings = []
             for _ in range(2):
                 began = time.perf_counter()

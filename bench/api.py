@@ -59,21 +59,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.launch.piped import LocalLauncher
+from tests.support.wait import WaitTimeout, wait_until
 
 console = Console(width=130)
 PAST_CONNECT = {"connect", "training", "cleaner", "done"}  # a member's phase once connected
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 TARGET_P99_MS = 50.0
 TARGET_OVERHEAD_S = 0.5
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout:g}s")
-        time.sleep(0.01)
-    return value
 
 
 class Service:
@@ -102,7 +94,7 @@ class Service:
             except httpx.TransportError:
                 return False
 
-        wait_for(answers, 60, "answer from the service")
+        wait_until(answers, 60, "answer from the service")
         # The token serve made (it has auth on unless --insecure): every client sends it.
         token = next(
             line.split()[1]
@@ -122,7 +114,7 @@ class Service:
         return dict(self.http.get(f"/v1/jobs/{job_id}").json())
 
     def wait_state(self, job_id: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
-        return wait_for(
+        return wait_until(
             lambda: (r := self.record(job_id))["state"] in states and r,
             timeout,
             f"{job_id} {states}",
@@ -140,7 +132,7 @@ class Service:
     def stop(self) -> None:
         try:
             self.finish_everything()
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (httpx.HTTPError, WaitTimeout) as exc:
             console.print(f"[yellow]could not finish the jobs cleanly: {exc}[/yellow]")
         if self.process.poll() is None:
             self.process.terminate()

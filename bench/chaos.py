@@ -4,7 +4,7 @@
     python bench/chaos.py --seconds 60 --jobs 20   # the suite's short soak
     python bench/chaos.py --seed 7 --keep          # again, keeping the logs
 
-Everything is real and on loopback: a 3-member etcd cluster (tests/etcd_cluster.py),
+Everything is real and on loopback: a 3-member etcd cluster (tests/support/etcd_cluster.py),
 2 `coordinator serve` replicas and 3 `coordinator agent`s, each reaching etcd
 through cuttable proxies of its own. Jobs (noop, steps under SSP, xgboost, a small
 mnist, and `command` programs that log when they run) are submitted at a steady
@@ -61,7 +61,8 @@ import itertools
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.server import free_port
-from tests.etcd_cluster import EtcdCluster, Link
+from tests.support.etcd_cluster import EtcdCluster, Link
+from tests.support.wait import WaitTimeout, wait_until
 
 console = Console(width=150)
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
@@ -70,6 +71,7 @@ MEMBER_TTL = 2  # the jobs' members: a cut or a kill is seen within 2 s + a litt
 SERVICE_TTL = 3  # the replicas' leadership and the agents' registration
 AGENT_SLOTS = 4
 RESTART_AFTER = 3.0  # seconds a killed process stays dead
+POLL = 0.1  # seconds between looks at processes and HTTP; no event to wait on
 # A command program that says when it ran, in one line each (appends are atomic).
 WITNESS = (
     "import os, sys, time, json\n"
@@ -82,16 +84,6 @@ WITNESS = (
     "os.write(fd, (line + '\\n').encode())\n"
     "os.close(fd)\n"
 )
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)  # polling processes and HTTP; no event to wait on
-    raise TimeoutError(f"no {what} within {timeout:g}s")
 
 
 class Restartable:
@@ -184,8 +176,8 @@ class Soak:
         for process in [*self.replicas, *self.agents]:
             process.start()
         for replica in self.replicas:
-            wait_for(lambda r=replica: self._answers(r), 60, f"{replica.name} to answer")
-        wait_for(lambda: len(self._registrations()) == len(self.agents), 60, "agents")
+            wait_until(lambda r=replica: self._answers(r), 60, f"{replica.name} to answer", POLL)
+        wait_until(lambda: len(self._registrations()) == len(self.agents), 60, "agents", POLL)
 
     def _process(
         self, name: str, args: Callable[[str, Path, Link], Callable[[], list[str]]]
@@ -509,8 +501,8 @@ def check_jobs(chaos: Soak, report: Report, drain: float) -> None:
         )
 
     try:
-        records = wait_for(all_final, drain, "every job final")
-    except TimeoutError:
+        records = wait_until(all_final, drain, "every job final", POLL)
+    except WaitTimeout:
         records = chaos.records()
     for job_id in sorted(accepted):
         record = records.get(job_id)
@@ -560,8 +552,8 @@ def check_witness(chaos: Soak, report: Report) -> None:
 
 def check_nothing_left(chaos: Soak, report: Report) -> None:
     try:
-        wait_for(lambda: not chaos.leftovers(), 30, "the soak's processes to end")
-    except TimeoutError:
+        wait_until(lambda: not chaos.leftovers(), 30, "the soak's processes to end", POLL)
+    except WaitTimeout:
         left = chaos.leftovers()
         report.problems.append(f"orphan processes: {left}")
         for pid in left:
@@ -571,10 +563,13 @@ def check_nothing_left(chaos: Soak, report: Report) -> None:
     probe = chaos.probe
 
     try:
-        wait_for(
-            lambda: not chaos.cluster.leases(), MEMBER_TTL + SERVICE_TTL + 10, "every lease to end"
+        wait_until(
+            lambda: not chaos.cluster.leases(),
+            MEMBER_TTL + SERVICE_TTL + 10,
+            "every lease to end",
+            POLL,
         )
-    except TimeoutError:
+    except WaitTimeout:
         report.problems.append(f"leases left: {len(chaos.cluster.leases())}")
     kvs, _ = probe.get_prefix(probe.namespace + "/")
     names = [kv.key.removeprefix(probe.namespace + "/") for kv in kvs]

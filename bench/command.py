@@ -4,7 +4,7 @@
   line, at N = 4, 8, 16: `coordinator run --workers N -- PROGRAM` (with an etcd
   already running, as a deployment has) against N `torchrun --nnodes N
   --nproc-per-node 1 --rdzv-backend c10d` agents on loopback, started together.
-* A lost peer, mid-all_reduce (tests/programs/block_in_allreduce.py: every rank but
+* A lost peer, mid-all_reduce (tests/support/programs/block_in_allreduce.py: every rank but
   1 blocks in an all_reduce that rank 1 never joins), N = 4: the time from losing
   rank 1's node until every other node has stopped. Two ways to lose it:
   `kill` (SIGKILL its member, or its torchrun agent and worker: the sockets close)
@@ -44,7 +44,7 @@ from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.launch import WorkerCommand
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK = ROOT / "tests" / "programs" / "block_in_allreduce.py"
+BLOCK = ROOT / "tests" / "support" / "programs" / "block_in_allreduce.py"
 FIRST_LINE = [sys.executable, "-c", "import os; print('first line of rank', os.environ['RANK'])"]
 CAP = 600.0
 DDP = [sys.executable, str(ROOT / "examples" / "ddp_mnist.py")]

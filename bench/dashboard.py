@@ -5,7 +5,7 @@
     python bench/dashboard.py --screenshots docs/     # only the screenshots (issue 12)
 
 Everything is real and on this machine's loopback: an embedded etcd, `coordinator
-serve` as a subprocess, Debian's chromium driven by Playwright (tests/dashboard_harness:
+serve` as a subprocess, Debian's chromium driven by Playwright (tests/support/dashboard.py:
 every request must stay on loopback, the console must stay free of errors).
 
 1. **The jobs table.** N finished jobs are written to etcd through the service's
@@ -49,15 +49,14 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api import wait_for  # bench/api.py
-
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.service.model import Attempt, JobSpec, JobState, Member
 from coordinator.service.states import advance
 from coordinator.service.store import JobStore
-from tests.dashboard_harness import VIEWPORT, Watched, launch
-from tests.test_service import ServiceProc, kill_members
+from tests.support.dashboard import VIEWPORT, Watched, launch
+from tests.support.service import ServiceProc, kill_members
+from tests.support.wait import wait_until
 
 console = Console(width=130)
 NAMESPACE = "/bench-dashboard"
@@ -72,7 +71,7 @@ def wait_state(service: ServiceProc, job_id: str, states: set[str], timeout: flo
         record = service.http.get(f"/v1/jobs/{job_id}").json()
         return record if record["state"] in states else None
 
-    return wait_for(reached, timeout, f"{job_id} in {states}")
+    return wait_until(reached, timeout, f"{job_id} in {states}")
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float, float]:
@@ -448,7 +447,7 @@ def screenshots(browser: Browser, service: ServiceProc, folder: Path) -> None:
     context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
     watching = Watched(context.new_page())
     watching.sign_in(service.dashboard_link(), f"#/jobs/{job}")
-    wait_for(
+    wait_until(
         lambda: (http.get(f"/v1/jobs/{job}").json()["progress"].get("step") or 0) > 20,
         240, "the MNIST run under way",
     )  # fmt: skip

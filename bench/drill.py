@@ -28,7 +28,7 @@ What must hold, per trial (`Trial.problems` lists what did not):
   fails with 5 or 6, by its own deadline;
 - no rendezvous key of the job is left a TTL after the last member ended or died.
 
-bench/drill.py is also the engine of the suite's short drill (tests/test_kill_drill.py).
+bench/drill.py is also the engine of the suite's short drill (tests/system/test_kill_drill.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,16 +81,6 @@ class DrillConfig:
     @property
     def lost_within(self) -> float:
         return self.ttl + 2.0
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `condition` until it is truthy; TimeoutError naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout:g}s")
-        time.sleep(TICK)
-    return value
 
 
 class Worker:

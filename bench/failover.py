@@ -1,6 +1,6 @@
 """Failover: from an etcd leader SIGKILL to each client kind's first success.
 
-A real 3-member etcd on loopback (tests/etcd_cluster.py, etcd's default 1 s
+A real 3-member etcd on loopback (tests/support/etcd_cluster.py, etcd's default 1 s
 election timeout). Each repeat starts fresh clients (each at a random member, as
 members do), SIGKILLs the raft leader and times, from the kill:
 
@@ -41,7 +41,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.watch import WatchEvent
-from tests.etcd_cluster import EtcdCluster
+from tests.support.etcd_cluster import EtcdCluster
 
 console = Console(width=150)
 

@@ -3,7 +3,7 @@
     python bench/service_failover.py              # 3 runs
     python bench/service_failover.py --runs 5
 
-Everything is real and on loopback: 3 etcd processes (tests/etcd_cluster.py), two
+Everything is real and on loopback: 3 etcd processes (tests/support/etcd_cluster.py), two
 `coordinator serve` replicas, each reaching etcd through a cuttable Link of its own.
 Each run measures, in the same run:
 
@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import ENV, EtcdSecurity
-from tests.etcd_cluster import EtcdCluster, Link
-from tests.test_service import ServiceProc, kill_members
+from tests.support.etcd_cluster import EtcdCluster, Link
+from tests.support.service import ServiceProc, kill_members
 
 console = Console(width=120)
 LEADER_TTL = 5  # the service's leadership lease

@@ -1,139 +1,26 @@
-"""Shared fixtures: one real etcd server per session, a fresh namespace per test,
-and real processes that are always stopped, also when a test fails."""
+"""Fixtures of every layer: the `--etcd-from` option, one real etcd server per session
+(embedded, or in a container), a fresh namespace and client per test. The harnesses
+they use are in tests/support; system/conftest.py adds the process fixtures."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from coordinator.etcd.client import Etcd
-from coordinator.etcd.security import ENV, EtcdSecurity
+from coordinator.etcd.security import ENV
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.etcd.users import ROOT, enable_auth, new_password, write_password_file
-from tests.containers.harness import (
-    LABEL,
+from tests.support.containers import (
     Images,
     PodmanService,
     build_images,
     containers_available,
 )
-
-TESTS = Path(__file__).parent
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll `condition` until it is truthy; fail the test naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-class Proc:
-    """A child process whose stdout JSON lines and stderr are collected as they come."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.args = args
-        self.process = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        self.events: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        self.exited_at: float | None = None
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            with self._changed:
-                self.events.append(event)
-                self._changed.notify_all()
-        self.process.wait()
-        with self._changed:
-            self.exited_at = time.monotonic()
-            self._changed.notify_all()
-
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            with self._changed:
-                self.stderr.append(line.rstrip("\n"))
-                self._changed.notify_all()
-
-    def wait_event(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 30
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for event in self.events:
-                    if predicate(event):
-                        return event
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self.exited_at is not None:
-                    raise AssertionError(
-                        f"no matching event from {self.args[-8:]} (exit {self.process.poll()}); "
-                        f"events {self.events}; stderr {self.stderr[-5:]}"
-                    )
-                self._changed.wait(remaining)
-
-    def wait_exit(self, timeout: float = 60) -> int:
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError(
-                f"{self.args[-8:]} still running after {timeout}s; last events "
-                f"{self.events[-3:]}; its threads:\n" + "\n".join(self.threads())
-            ) from exc
-        with self._changed:  # let the reader record the exit time and last lines
-            self._changed.wait_for(lambda: self.exited_at is not None, timeout=5)
-        return code
-
-    def threads(self) -> list[str]:
-        """Where each thread of a member that is still running is (its SIGUSR1 dump)."""
-        with self._changed:
-            start = len(self.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGUSR1)
-            self._changed.wait_for(
-                lambda: any("Current thread" in line for line in self.stderr[start:]), timeout=5
-            )
-            seen = 0
-            while seen < len(self.stderr):  # until the dump's lines stop coming
-                seen = len(self.stderr)
-                self._changed.wait_for(lambda n=seen: len(self.stderr) > n, timeout=0.5)
-            return self.stderr[start:]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+from tests.support.etcd_container import EtcdContainer
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -161,36 +48,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             for s in sources
         ]
         metafunc.parametrize("etcd_source", params, scope="session")
-
-
-class EtcdContainer:
-    """etcd in a container started by testcontainers, with auth on as the product runs it
-    (a root password in a private file of the test session's); as on EmbeddedEtcd,
-    `endpoint` and `security`."""
-
-    def __init__(self, image: str, folder: Path) -> None:
-        from testcontainers.core.container import DockerContainer
-
-        self.container = (
-            DockerContainer(image, labels={LABEL: "1"})
-            .with_command(
-                "/usr/local/bin/etcd --name=etcd --data-dir=/var/lib/etcd "
-                "--listen-client-urls=http://0.0.0.0:2379 "
-                "--advertise-client-urls=http://127.0.0.1:2379 --bcrypt-cost=4"
-            )
-            .with_exposed_ports(2379)
-            .start()
-        )
-        host = self.container.get_container_host_ip()
-        self.endpoint = f"{host}:{self.container.get_exposed_port(2379)}"
-        password = new_password()
-        password_file = write_password_file(folder / "root.password", password)
-        with Etcd(self.endpoint, connect_timeout=30, security=EtcdSecurity()) as plain:
-            enable_auth(plain, password)
-        self.security = EtcdSecurity(user=ROOT, password_file=str(password_file))
-
-    def stop(self) -> None:
-        self.container.stop()
 
 
 @pytest.fixture(scope="session")
@@ -253,44 +110,3 @@ def etcd(etcd_server: EmbeddedEtcd, namespace: str) -> Iterator[Etcd]:
     client = Etcd(etcd_server.endpoint, namespace=namespace)
     yield client
     client.close()
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[[list[str]], Proc]]:
-    """Start processes; every one still running at the end of the test is killed."""
-    started: list[Proc] = []
-
-    def start(args: list[str]) -> Proc:
-        proc = Proc(args)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.kill()
-
-
-def worker_args(
-    endpoint: str, namespace: str, job: str, world_size: int, **options: Any
-) -> list[str]:
-    """Command line of a real `coordinator worker` process."""
-    args = [
-        sys.executable, "-m", "coordinator", "worker", "--job", job,
-        "--world-size", str(world_size), "--etcd", endpoint, "--namespace", namespace,
-    ]  # fmt: skip
-    for name, value in options.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    return args
-
-
-def member_proc_args(
-    endpoint: str, namespace: str, job: str, world_size: int, **options: Any
-) -> list[str]:
-    """Command line of a test member that can stall before a phase (tests/member_proc.py)."""
-    args = [
-        sys.executable, str(TESTS / "member_proc.py"), "--job", job,
-        "--world-size", str(world_size), "--etcd", endpoint, "--namespace", namespace,
-    ]  # fmt: skip
-    for name, value in options.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    return args

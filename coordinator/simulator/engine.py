@@ -375,7 +375,7 @@ def _per_check(
     beta >= P stay deterministic (ASP, SSP/BSP bit for bit). The random stream
     differs from the literal one and from the engine before issue 20 (one
     uniform per waiter per completion); the distribution of a run does not
-    (tests/test_simulator.py::test_event_driven_per_check_has_the_literal_distribution).
+    (tests/system/test_simulator.py::test_event_driven_per_check_has_the_literal_distribution).
     """
     bound, beta, population = spec.bound, spec.sample, range(n)
     assert bound is not None

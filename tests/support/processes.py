@@ -1,0 +1,148 @@
+"""Real child processes for the tests: `Proc` collects a child's JSON lines and stderr as
+they come, so a test waits on what it printed; and the command lines of the members
+the tests start (`coordinator worker`, and member_proc.py that can stall at a phase)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+MEMBER_PROC = Path(__file__).with_name("member_proc.py")
+
+
+class Proc:
+    """A child process whose stdout JSON lines and stderr are collected as they come."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.stderr: list[str] = []
+        self.exited_at: float | None = None
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._changed:
+                self.events.append(event)
+                self._changed.notify_all()
+        self.process.wait()
+        with self._changed:
+            self.exited_at = time.monotonic()
+            self._changed.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            with self._changed:
+                self.stderr.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_event(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 30
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for event in self.events:
+                    if predicate(event):
+                        return event
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.exited_at is not None:
+                    raise AssertionError(
+                        f"no matching event from {self.args[-8:]} (exit {self.process.poll()}); "
+                        f"events {self.events}; stderr {self.stderr[-5:]}"
+                    )
+                self._changed.wait(remaining)
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(
+                f"{self.args[-8:]} still running after {timeout}s; last events "
+                f"{self.events[-3:]}; its threads:\n" + "\n".join(self.threads())
+            ) from exc
+        with self._changed:  # let the reader record the exit time and last lines
+            self._changed.wait_for(lambda: self.exited_at is not None, timeout=5)
+        return code
+
+    def threads(self) -> list[str]:
+        """Where each thread of a member that is still running is (its SIGUSR1 dump)."""
+        with self._changed:
+            start = len(self.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGUSR1)
+            self._changed.wait_for(
+                lambda: any("Current thread" in line for line in self.stderr[start:]), timeout=5
+            )
+            seen = 0
+            while seen < len(self.stderr):  # until the dump's lines stop coming
+                seen = len(self.stderr)
+                self._changed.wait_for(lambda n=seen: len(self.stderr) > n, timeout=0.5)
+            return self.stderr[start:]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def worker_args(
+    endpoint: str, namespace: str, job: str, world_size: int, **options: Any
+) -> list[str]:
+    """Command line of a real `coordinator worker` process."""
+    args = [
+        sys.executable, "-m", "coordinator", "worker", "--job", job,
+        "--world-size", str(world_size), "--etcd", endpoint, "--namespace", namespace,
+    ]  # fmt: skip
+    for name, value in options.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+def member_proc_args(
+    endpoint: str, namespace: str, job: str, world_size: int, **options: Any
+) -> list[str]:
+    """Command line of a test member that can stall before a phase (member_proc.py)."""
+    args = [
+        sys.executable, str(MEMBER_PROC), "--job", job,
+        "--world-size", str(world_size), "--etcd", endpoint, "--namespace", namespace,
+    ]  # fmt: skip
+    for name, value in options.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+def gone(pids: list[int]) -> bool:
+    """Whether every one of `pids` has ended (a zombie counts as ended)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True

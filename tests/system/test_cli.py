@@ -1,0 +1,130 @@
+"""The `coordinator` command as users run it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.server import EmbeddedEtcd, free_port
+from coordinator.rendezvous.address import ADVERTISE_ENV, advertise_address, route_address
+from coordinator.worker import EXIT_ETCD_UNAVAILABLE
+from tests.support.processes import worker_args
+
+
+def coordinator(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_run_noop_with_the_embedded_etcd() -> None:
+    """The README's first command: embedded etcd, four local workers, every phase."""
+    result = coordinator("run", "noop", "--workers", "4")
+    assert result.returncode == 0, result.stderr
+    assert "all 4 workers passed every phase and cleaned up" in result.stderr
+    for rank in range(4):
+        assert f"│ {rank}    │ 127.0.0.1:" in result.stderr
+
+
+def test_run_reports_failing_workers_and_their_exit_code() -> None:
+    """Workers that cannot reach etcd: `run` names the cause and exits with their code."""
+    result = coordinator(
+        "run",
+        "noop",
+        "--workers",
+        "2",
+        "--etcd",
+        f"127.0.0.1:{free_port()}",
+        "--connect-timeout",
+        "0.5",
+    )
+    assert result.returncode == EXIT_ETCD_UNAVAILABLE
+    assert result.stderr.count("exited 3:") == 2
+    assert "cannot reach etcd" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world-size", "0"], "world-size"),
+        (["--kind", "nope"], "kind"),
+        (["--job", "bad/id"], "job id 'bad/id'"),
+        (["--etcd", "nohost"], "is not HOST:PORT"),
+    ],
+)
+def test_worker_usage_errors_name_the_field(args: list[str], message: str) -> None:
+    base = {"--job": "j", "--world-size": "2", "--etcd": "127.0.0.1:1"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    flat = [item for pair in base.items() for item in pair]
+    result = coordinator("worker", *flat, "--connect-timeout", "0.5")
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_exit_codes_are_listed() -> None:
+    result = coordinator("exit-codes")
+    assert result.returncode == 0
+    assert "5  another member died" in result.stdout
+
+
+def test_address_follows_the_route_to_etcd(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ADVERTISE_ENV, raising=False)
+    assert route_address("127.0.0.1", 2379) == "127.0.0.1"
+    assert advertise_address(["127.0.0.1:2379"]) == "127.0.0.1"
+
+
+def test_address_override_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADVERTISE_ENV, "10.1.2.3")
+    assert advertise_address(["127.0.0.1:2379"]) == "10.1.2.3"
+    assert advertise_address(["127.0.0.1:2379"], override="192.0.2.7") == "192.0.2.7"
+
+
+def test_advertised_override_reaches_the_roster(
+    etcd_server: EmbeddedEtcd, namespace: str, spawn
+) -> None:
+    """An address given by flag is what the others see (and the leader connects to)."""
+    procs = [
+        spawn(worker_args(etcd_server.endpoint, namespace, "job", 2, advertise_address="127.0.0.1"))
+        for _ in range(2)
+    ]
+    assert [p.wait_exit(60) for p in procs] == [0, 0]
+    roster = procs[0].wait_event(lambda e: e["event"] == "done")["roster"]
+    assert {m["host"] for m in roster["members"]} == {"127.0.0.1"}
+
+
+def test_ctrl_c_stops_the_embedded_etcd() -> None:
+    """`coordinator etcd` serves until SIGINT, then stops its etcd child and exits."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "etcd"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "1000"},  # rich: the settings line unwrapped
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        endpoint = proc.stdout.readline().strip()
+        settings = next(line for line in proc.stderr if "--etcd-password-file" in line)
+        root = EtcdSecurity(user="root", password_file=settings.split()[-1])  # auth is on
+        with Etcd(endpoint, connect_timeout=5, security=root) as etcd:
+            assert etcd.put("/k", "v") > 0
+        children = psutil.Process(proc.pid).children()
+        assert [c.name() for c in children] == ["etcd"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, "etcd outlived the command"
+    finally:
+        proc.kill()
+        proc.wait()
