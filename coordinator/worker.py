@@ -177,6 +177,10 @@ def run_worker(options: WorkerOptions) -> int:
             options.etcd,
             namespace=options.namespace,
             connect_timeout=options.connect_timeout,
+            # etcd being away for less than the TTL loses nothing (no lease can expire
+            # without a leader), so a call waits that long; past it, the session is lost
+            # first and names the cause.
+            retry_window=max(options.connect_timeout, options.ttl + TROUBLE_GRACE_SECONDS),
             probe=job_path(options.job_id),  # a member's etcd user may touch only its job
         )
     except EtcdError as exc:
