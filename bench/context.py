@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.barriers.live import LiveBarrier
 from coordinator.barriers.policy import BarrierSpec
-from coordinator.context import Context, check_steps
+from coordinator.context import Context
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.program_steps import check_steps
 from coordinator.rendezvous.member import Member
 
 console = Console(width=150)

@@ -4,6 +4,10 @@ watches, over a `Connection` that retries and moves between members.
 Every key lives under a namespace prefix, so deployments can share an etcd.
 Watches resume from the last revision they delivered after a disconnect
 (`coordinator.etcd.watch`).
+
+It is long because it lists every kind of request the product makes, each a few
+lines over `Connection._call`; the retries, conditions, watches and errors live
+in modules of their own.
 """
 
 from __future__ import annotations

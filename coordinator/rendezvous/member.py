@@ -18,6 +18,11 @@ own condition (one key, or a prefix the leader alone watches), deletions of
 member keys (a member lost), and the loss of its own lease; and it has a
 deadline. Keys written after the election carry the round (the leader key's
 create revision), so nothing left from an earlier round can satisfy a wait.
+
+It is long because it is one state machine: the phases share the session, the
+liveness watch, the losses seen so far and one wait loop (`_wait`), and split
+apart they would have to hand all of that around. What stands alone does
+already: the keys, the roster, the handshake, the endpoint, the errors.
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ nor duplicates them (starting a member is idempotent, see `launchers`).
 - Credentials: each attempt's members connect as an etcd user of the job's own
   (`job_credentials`); a new leader first deletes those of jobs that ended or
   are gone meanwhile.
+
+It is long because it is the one place where decisions become effects, each
+fenced by leadership and written so a successor can take over half-way; the
+decisions themselves (`job_rules`), the following (`following`) and the
+credentials (`job_credentials`) already live apart.
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from coordinator.context import Context, NotInJob, check_ranks, check_steps, check_stop
+from coordinator.context import Context, NotInJob
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.program_steps import check_ranks, check_steps, check_stop
 from tests.support.commands import PROGRAMS, TTL, Run, command_worker, rank_results
 from tests.support.processes import Proc
 from tests.support.service import ServiceProc, wait_state
