@@ -21,7 +21,8 @@ waited for, everything is stopped cleanly, and what must hold is checked
 - no job ran twice at once: its attempts do not overlap, and no two runs of one
   rank of a `command` program overlap (the programs' own log says when they ran);
 - every failed job says why;
-- no process of the soak is left, and a TTL later no lease and no key but the
+- no process of the soak and no member's private folder (which holds the round's
+  secret) is left, and a TTL later no lease and no key but the
   job records.
 
 It prints the faults injected and the time from each to recovery (the service
@@ -61,6 +62,7 @@ import itertools
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.server import free_port
+from coordinator.jobs.private_folder import PREFIX as PRIVATE_PREFIX
 from tests.support.etcd_cluster import EtcdCluster, Link
 from tests.support.wait import WaitTimeout, wait_until
 
@@ -89,14 +91,21 @@ WITNESS = (
 class Restartable:
     """One process of the soak (a replica or an agent) with its own way to etcd."""
 
-    def __init__(self, name: str, args: Callable[[], list[str]], log: Path, link: Link) -> None:
+    def __init__(
+        self, name: str, args: Callable[[], list[str]], log: Path, link: Link, tmp: Path
+    ) -> None:
         self.name, self.args, self.log_path, self.link = name, args, log, link
+        self.env = {**os.environ, "TMPDIR": str(tmp)}  # its members' private folders go there
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.args(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.args(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
             )
 
     @property
@@ -155,6 +164,8 @@ class Soak:
         os.write(fd, f"exec {self.token}\n".encode())
         os.close(fd)
         self.witness = root / "witness.jsonl"
+        self.tmp = root / "tmp"
+        self.tmp.mkdir(mode=0o700)
         self.replicas: list[Restartable] = []
         self.ports: dict[str, int] = {}
         self.agents: list[Restartable] = []
@@ -186,7 +197,7 @@ class Soak:
         data = self.root / name
         data.mkdir(mode=0o700)
         link = self.cluster.link()
-        return Restartable(name, args(name, data, link), self.root / f"{name}.log", link)
+        return Restartable(name, args(name, data, link), self.root / f"{name}.log", link, self.tmp)
 
     def _serve_args(self, name: str, data: Path, link: Link) -> Callable[[], list[str]]:
         return lambda: [
@@ -559,6 +570,9 @@ def check_nothing_left(chaos: Soak, report: Report) -> None:
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    folders = sorted(p.name for p in chaos.tmp.glob(f"{PRIVATE_PREFIX}*"))
+    if folders:  # a killed member's goes as its peers stop, or as the next member starts
+        report.problems.append(f"members' private folders left: {folders}")
     assert chaos.probe is not None
     probe = chaos.probe
 

@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -49,6 +48,7 @@ from coordinator.jobs.environment import (
     roster_document,
 )
 from coordinator.jobs.params import artifacts_dir, check_known, float_param
+from coordinator.jobs.private_folder import make_private_folder, sweep_private_folders
 from coordinator.jobs.program import ProgramGroup
 from coordinator.keys import leaf
 from coordinator.rendezvous.errors import MemberLost, ProgramFailed, RendezvousError
@@ -199,7 +199,7 @@ class CommandJob:
             raise RuntimeError(f"ranks {missing} published no reserved port before connect")
         artifacts = self.artifacts_root / member.job_id
         artifacts.mkdir(parents=True, exist_ok=True)
-        self._private = Path(tempfile.mkdtemp(prefix=f"coordinator-{member.job_id}-"))  # 0700
+        self._private = make_private_folder(member.job_id)
         roster_file = self._private / "roster.json"
         fd = os.open(roster_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -324,4 +324,5 @@ class CommandJob:
             self._group = None
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
+            sweep_private_folders(self._private.parent)  # a killed peer's, say
             self._private = None

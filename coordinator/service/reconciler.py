@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.etcd.client import Etcd
-from coordinator.etcd.errors import EtcdError
+from coordinator.etcd.errors import EtcdError, EtcdUnavailable
 from coordinator.etcd.txn import Put
 from coordinator.etcd.users import (
     Credentials,
@@ -194,10 +194,11 @@ class Reconciler:
                 continue  # strict order: nothing overtakes the head of its launcher's queue
             if launcher in OWN_SLOTS and record.spec.workers > free:
                 held.add(launcher)
-            elif self._isolated(record.id, self._start_attempt, record, now):
-                if launcher in OWN_SLOTS:
-                    free -= record.spec.workers
-            else:
+                continue
+            started = self._isolated(record.id, self._start_attempt, record, now)
+            if started and launcher in OWN_SLOTS:
+                free -= record.spec.workers
+            elif started is False:  # it does not fit yet (None: its step failed, logged)
                 held.add(launcher)
         for each in self.launchers.values():
             if isinstance(each, PlacesAhead):  # placements a writer never committed
@@ -208,14 +209,17 @@ class Reconciler:
         """One job's step (its result; None when it failed): what goes wrong with one job
         stops only that job's step, never the others'. A record that turned invalid
         meanwhile is left alone (the store logged it). A leader that can no longer prove
-        its lease takes no step at all."""
+        its lease takes no step at all. Only etcd being away stops the whole pass: an
+        error of one job's own would otherwise hold back every job after it."""
         self._check_leading()
         try:
             return step(*args)
         except (JobNotFound, InvalidRecord):
             return None
-        except (EtcdError, NotLeading):
+        except (EtcdUnavailable, NotLeading):
             raise  # etcd away, or leadership unproven: the whole pass waits for the next tick
+        except EtcdError as exc:  # refused for this job alone (a request too large, say)
+            log.warning("job %s: etcd: %s; trying again next tick", job_id, exc)
         except InvalidChange as exc:
             log.warning("job %s: %s", job_id, exc)
         except Exception:

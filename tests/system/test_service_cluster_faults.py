@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import ENV, EtcdSecurity
-from coordinator.service.launchers import Launch
+from coordinator.service.launchers import Launch, Reservation
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import JobSpec, JobState, Launcher, Member
@@ -148,6 +149,45 @@ def assert_agrees_with_events(service: ServiceProc, job_id: str) -> dict[str, An
         last = record["attempts"][-1]
         assert [m["exit_code"] for m in last["members"]] == [0] * record["spec"]["workers"]
     return record
+
+
+class RefusesOneJob(LocalLauncher):
+    """A real local launcher whose placement etcd refuses, every time, for one job (a
+    request too large, say): a failure of that job alone, not of etcd."""
+
+    def __init__(self, logs: Path, refused: str) -> None:
+        super().__init__(logs)
+        self.refused = refused
+        self.refusals = 0
+
+    def reserve(self, launch: Launch) -> Reservation | None:
+        if launch.spec.id == self.refused:
+            self.refusals += 1
+            raise EtcdError("etcd refused the request: INVALID_ARGUMENT: request is too large")
+        return super().reserve(launch)
+
+
+def test_a_job_etcd_refuses_every_tick_holds_back_no_other_job(
+    cluster: EtcdCluster, inspect: Etcd, namespace: str, tmp_path: Path
+) -> None:
+    """Only etcd being away stops the leader's whole pass: an error of one job's own
+    (etcd refusing its request) leaves the jobs after it to run."""
+    replica = Replica(cluster, cluster.endpoints, namespace, "only", tmp_path / "logs")
+    launcher = RefusesOneJob(replica.logs, "refused")
+    try:
+        replica.run(launcher)
+        store = JobStore(inspect)
+        for job_id in ("refused", "after"):  # the refused one first in the queue
+            store.submit(JobSpec(id=job_id, kind="noop", workers=1), time.time())
+        wait_until(
+            lambda: store.get("after").record.state == JobState.SUCCEEDED,
+            30,
+            "the job queued behind the refused one to succeed",
+        )
+        assert launcher.refusals >= 1
+        assert store.get("refused").record.state == JobState.PENDING
+    finally:
+        replica.close()
 
 
 # -- 1. the service leader cut off ----------------------------------------------------
