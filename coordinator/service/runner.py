@@ -104,10 +104,8 @@ class Service:
                 images=images[Launcher.DOCKER],
             )
         if options.k8s_image:
-            from coordinator.service.launchers.kubernetes import (
-                KubernetesLauncher,
-                current_namespace,
-            )
+            from coordinator.service.launchers.kubernetes import KubernetesLauncher
+            from coordinator.service.launchers.kubernetes_api import current_namespace
 
             images[Launcher.KUBERNETES] = ImagePolicy.of(options.k8s_image, options.allowed_images)
             try:
