@@ -74,7 +74,8 @@ def agent(
     from coordinator.etcd.errors import EtcdError
     from coordinator.etcd.names import check_name
     from coordinator.launch import parse_gpus
-    from coordinator.service.agent import Agent, AgentOptions, AgentTaken
+    from coordinator.service.agent import Agent, AgentOptions
+    from coordinator.service.agent_records import AgentTaken
 
     labels = parse_labels(label)
     try:

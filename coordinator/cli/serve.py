@@ -185,7 +185,10 @@ def serve(
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
     if docker_image:
-        from coordinator.service.launchers.docker import check_limits, container_endpoints
+        from coordinator.service.launchers.docker_container import (
+            check_limits,
+            container_endpoints,
+        )
 
         try:
             check_limits(docker_memory, docker_pids_limit)

@@ -1,25 +1,17 @@
 """An agent: one host's long-running process that runs the members etcd assigns to it.
 
-It registers under its lease (the keys are in `coordinator.keys`, their values in
-`agent_keys`; a second agent with a live id is refused, so two hosts never share an
-identity), watches its assignments, and starts each assigned member once with the
-local launcher (its own session, output to a file), pointed at etcd as this agent
-reaches it. It reports each member's state, signals a member whose assignment asks
-for `stop`, and serves the members' output over HTTP at its address
-(`GET /members/<member>/output?offset=N`), so the service's logs endpoint
-reaches it on whichever host it ran.
-
-An assignment that names a `placement` (one too big for one etcd transaction,
-written ahead of its commit) waits until `<ns>/placements/<placement>` exists: the
-placement is then whole. One deleted meanwhile never runs.
+It registers under its lease (`agent_records`: a second agent with a live id is
+refused, so two hosts never share an identity), watches its assignments, and starts
+each assigned member once with the local launcher (its own session, output to a
+file), pointed at etcd as this agent reaches it. It reports each member's state,
+signals a member whose assignment asks for `stop`, and serves the members' output
+over HTTP (`agent_output`). A member of a placement written ahead of its commit waits
+for the commit (`agent_commits`).
 
 It trusts nothing it reads: an assignment that does not pass `Assignment` (the
 options the service writes and no others, paths inside its data dir, its own
-namespace) is reported `refused` and never runs. Its output server binds only
-the address it advertises and answers only requests that carry the bearer token
-of its registration (readable by the service and itself alone, through etcd's
-roles). A member gets its job's etcd user from the assignment, in a file only
-it may read.
+namespace) is reported `refused` and never runs. A member gets its job's etcd user
+from the assignment, in a file only it may read.
 
 Members die with the agent (the kernel kills them when it dies, however it
 dies): its lease, and so its assignments, go with it too, and the service's
@@ -30,21 +22,14 @@ its members to end, sending them SIGTERM after `drain_seconds`.
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import os
 import queue
 import secrets
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from importlib.metadata import version
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 from pydantic import ValidationError
 
@@ -52,11 +37,19 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError, EtcdRefused
 from coordinator.etcd.session import Session
 from coordinator.etcd.txn import Delete, Put
-from coordinator.etcd.watch import Watch, WatchEvent
+from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.keys import Keys, member_name
-from coordinator.rendezvous.address import advertise_address
+from coordinator.service.agent_commits import PlacementCommits
 from coordinator.service.agent_keys import Assignment
+from coordinator.service.agent_output import output_server
+from coordinator.service.agent_records import (
+    member_report,
+    refusal_reason,
+    refusal_report,
+    register,
+    registration_record,
+)
 from coordinator.service.launchers import VANISHED
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.model import Member
@@ -64,14 +57,8 @@ from coordinator.service.model import Member
 log = logging.getLogger(__name__)
 
 REPORT_SECONDS = 0.25  # how often running members are checked for their end
-ANY_ADDRESS = ("0.0.0.0", "::", "")
-EXIT_REFUSED = 2  # the exit code reported for an assignment refused: bad arguments
 # What the main thread is told (`Agent._take`).
 ASSIGNED, WITHDRAWN, COMMITTED, UNCOMMITTED = "assigned", "withdrawn", "committed", "uncommitted"
-
-
-class AgentTaken(RuntimeError):
-    """Another live agent holds this id."""
 
 
 class _Stopped(Exception):
@@ -121,31 +108,17 @@ class Agent:
         # ASSIGNED, WITHDRAWN (an assignment deleted), COMMITTED, UNCOMMITTED (a
         # placement's commit written, deleted).
         self._inbox: queue.SimpleQueue[tuple[str, str, bytes]] = queue.SimpleQueue()
-        self._waiting: dict[str, str] = {}  # member name -> the placement it waits for
-        self._committed: set[str] = set()  # placements whose commit was seen
-        self._placements: Watch | None = None  # made once a placement is waited for
+        self.commits = PlacementCommits(etcd, self.keys, self._on_placements)
         self._lock = threading.Lock()
         self._draining = False
         self.token = secrets.token_urlsafe(32)  # what the output server asks of a request
-        host = options.advertise or (
-            advertise_address(etcd.endpoints) if options.host in ANY_ADDRESS else options.host
+        self._http, self.address = output_server(
+            options.host, options.port, options.advertise, etcd.endpoints,
+            self.token, self._member, self.launcher.output,
+        )  # fmt: skip
+        self._record = registration_record(
+            options.slots, options.labels, self.address, self.token, options.gpus
         )
-        # The address it advertises, never every interface.
-        bind = host if options.host in ANY_ADDRESS else options.host
-        self._http = ThreadingHTTPServer((bind, options.port), self._handler())
-        port = self._http.server_address[1]
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._record: dict[str, Any] = {
-            "slots": options.slots,
-            "labels": options.labels,
-            "address": self.address,
-            "token": self.token,
-            "version": version("etcd-coordinator"),
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
-        if options.gpus:
-            self._record["gpus"] = list(options.gpus)
         try:
             self._register()
         except BaseException:
@@ -157,25 +130,12 @@ class Agent:
         """A new lease, the registration under it, and the watch of its assignments."""
         self.session = Session(self.etcd, self.options.ttl)
         key = self.keys.agent(self.options.agent_id)
-        created, current, _ = self.etcd.create(key, json.dumps(self._record), self.session.lease_id)
-        if not created and _holder(current.value).get("token") == self.token:
-            # Our own registration, under the lease we gave up on but etcd still keeps.
-            self.etcd.delete_if(key, current.mod_revision)
-            created, current, _ = self.etcd.create(
-                key, json.dumps(self._record), self.session.lease_id
-            )
-        if not created:
-            self.session.close()
-            holder = _holder(current.value)
-            raise AgentTaken(
-                f"agent id {self.options.agent_id!r} is registered by another live agent "
-                f"(host {holder.get('host')}, pid {holder.get('pid')}); choose another --id"
-            )
+        revision = register(self.etcd, self.session, key, self._record, self.options.agent_id)
         # Assignments are bound to this agent's lease, new with this registration: there
         # are none before it.
         self._watch = self.etcd.watch(
             self.keys.assignments(self.options.agent_id), self._on_assignments,
-            start_revision=current.create_revision, prefix=True,
+            start_revision=revision, prefix=True,
         )  # fmt: skip
 
     def _rejoin(self, stop: threading.Event) -> None:
@@ -188,7 +148,7 @@ class Agent:
             flush=True,
         )
         self._watch.cancel()
-        self._forget_placements()
+        self.commits.forget()
         self.session.close(revoke=False)
         self._stop_members(grace=5.0)
         with self._lock:
@@ -241,49 +201,23 @@ class Agent:
         if what == ASSIGNED:
             self._handle(name, value)
         elif what == WITHDRAWN:  # a waiting member deleted before its commit: never runs
-            self._waiting.pop(name, None)
+            self.commits.drop(name)
         elif what == COMMITTED:
-            self._committed.add(name)
+            self.commits.commit_seen(name)
             self._start_committed()
         else:
-            self._committed.discard(name)
+            self.commits.commit_gone(name)
 
     def _start_committed(self) -> None:
         """Handle the waiting members whose placement is now committed, as their
         assignments now are (a stop written meanwhile, or deleted: never run). Asked
         again each round, so one that failed for etcd is tried again."""
-        for member, placement in list(self._waiting.items()):
-            if placement not in self._committed:
-                continue
+        for member in self.commits.ready():
             kv = self.etcd.get(self.keys.assignment(self.options.agent_id, member))
             if kv is None:
-                self._waiting.pop(member, None)
+                self.commits.drop(member)
             else:
                 self._handle(member, kv.value)
-
-    def _is_committed(self, placement: str) -> bool:
-        """Whether the placement's commit exists. The commits are watched from the first
-        placement waited for on, and the watch is made before the read: a commit is
-        seen by the one or the other. (Plain reads, never a read-only transaction:
-        etcd before 3.5.5 panics on one that times out under load, etcd#14110.)"""
-        if placement in self._committed:
-            return True
-        if self._placements is None:
-            self._placements = self.etcd.watch(
-                self.keys.placements, self._on_placements,
-                start_revision=0, prefix=True, prev_kv=False,
-            )  # fmt: skip
-        if self.etcd.get(self.keys.placement(placement)) is None:
-            return False
-        self._committed.add(placement)
-        return True
-
-    def _forget_placements(self) -> None:
-        if self._placements is not None:
-            self._placements.cancel()
-            self._placements = None
-        self._waiting.clear()
-        self._committed.clear()
 
     def _handle(self, name: str, value: bytes) -> None:
         with self._lock:
@@ -301,7 +235,7 @@ class Agent:
             if name != member_name(assignment.run_id, assignment.attempt, assignment.index):
                 raise ValueError(f"the key names {name!r}, not the member the value describes")
         except (ValidationError, ValueError) as exc:
-            reason = f"assignment {name} refused: {_first_line(exc)}"
+            reason = refusal_reason(name, exc)
             log.warning("%s", reason)
             print(f"agent: {reason}", flush=True)
             if running is None:
@@ -317,12 +251,12 @@ class Agent:
         if stop or self._draining or len(self.running()) >= self.options.slots:
             # Stopped before it started, or placed on an agent that is leaving (or, never
             # by the service, beyond the slots): it ends without running.
-            self._waiting.pop(name, None)
+            self.commits.drop(name)
             self._ended(name, Member(index=assignment.index), VANISHED)
             return
         if assignment.placement is not None:
             try:
-                committed = self._is_committed(assignment.placement)
+                committed = self.commits.is_committed(assignment.placement)
             except EtcdRefused as exc:
                 if exc.cause != "permission-denied":
                     raise
@@ -334,9 +268,9 @@ class Agent:
                 self._refused(name, reason)
                 return
             if not committed:
-                self._waiting[name] = assignment.placement  # until its commit, or deletion
+                self.commits.wait(name, assignment.placement)  # until its commit, or deletion
                 return
-            self._waiting.pop(name, None)
+            self.commits.drop(name)
         credentials = assignment.credentials
         command = assignment.worker_command(",".join(self.etcd.urls))
         member = self.launcher.start_member(
@@ -350,41 +284,30 @@ class Agent:
             self.members[name] = Running(member)
         self._report(name, member, None)
 
+    def _member(self, name: str) -> Member | None:
+        """The member of that name this agent started (running or ended), if any."""
+        with self._lock:
+            running = self.members.get(name)
+        return running.member if running is not None else None
+
     def running(self) -> list[str]:
         with self._lock:
             return [n for n, r in self.members.items() if r.member.exit_code is None]
 
-    def _state(self, member: Member, code: int | None) -> str:
-        """A member's report: `running`, or `exited` with its code; `at` when it was so."""
-        return json.dumps(
-            {
-                "agent": self.options.agent_id,
-                "pid": member.pid,
-                "state": "running" if code is None else "exited",
-                "exit_code": code,
-                "at": time.time(),
-            }
-        )
-
     def _report(self, name: str, member: Member, code: int | None) -> None:
         key = self.keys.report(self.options.agent_id, name)
-        self.etcd.put(key, self._state(member, code), self.session.lease_id)
+        self.etcd.put(
+            key, member_report(self.options.agent_id, member, code), self.session.lease_id
+        )
 
     def _ended(self, name: str, member: Member, code: int) -> None:
         """Report the end and free the slot, in one transaction: the service sees the
         member assigned, or its report, never neither while this agent lives."""
-        self._settle(name, self._state(member, code))
+        self._settle(name, member_report(self.options.agent_id, member, code))
 
     def _refused(self, name: str, reason: str) -> None:
         """Report an assignment that will never run, and drop it."""
-        report = {
-            "agent": self.options.agent_id,
-            "state": "refused",
-            "exit_code": EXIT_REFUSED,
-            "reason": reason[:2000],
-            "at": time.time(),
-        }
-        self._settle(name, json.dumps(report))
+        self._settle(name, refusal_report(self.options.agent_id, reason))
 
     def _settle(self, name: str, report: str) -> None:
         agent_id = self.options.agent_id
@@ -465,68 +388,7 @@ class Agent:
 
     def close(self) -> None:
         self._watch.cancel()
-        self._forget_placements()
+        self.commits.forget()
         self._http.shutdown()
         self._http.server_close()
         self.session.close(revoke=True)
-
-    # -- output over HTTP ---------------------------------------------------------------
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        agent = self
-
-        class Output(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # the http.server interface
-                given = self.headers.get("Authorization", "")
-                expected = f"Bearer {agent.token}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
-                    self.send_response(401)
-                    self.send_header("WWW-Authenticate", "Bearer")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                url = urlparse(self.path)
-                parts = url.path.strip("/").split("/")
-                with agent._lock:
-                    running = (
-                        agent.members.get(parts[1])
-                        if len(parts) == 3 and parts[0] == "members" and parts[2] == "output"
-                        else None
-                    )
-                if running is None:
-                    self.send_error(404, "no such member on this agent")
-                    return
-                try:
-                    offset = int(parse_qs(url.query).get("offset", ["0"])[0] or 0)
-                except ValueError:
-                    self.send_error(400, "offset: expected a whole number of bytes")
-                    return
-                body = agent.launcher.output(running.member, max(0, offset))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # members' output is the log that matters
-
-        return Output
-
-
-def _holder(value: bytes) -> dict[str, Any]:
-    """The registration record another agent wrote (anything not a JSON object: empty)."""
-    try:
-        record = json.loads(value)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _first_line(exc: Exception) -> str:
-    """A validation error in one line: the field and what is wrong with it."""
-    if isinstance(exc, ValidationError):
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "value"
-        return f"{where}: {error['msg']}"
-    return str(exc)

@@ -24,8 +24,9 @@ from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS
 from coordinator.service.context import ApiContext
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
-from coordinator.service.launchers.agents import PLACEMENT_GRACE, AgentsLauncher
+from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.launchers.local import LocalLauncher
+from coordinator.service.launchers.placements_ahead import PLACEMENT_GRACE
 from coordinator.service.leadership import Leadership
 from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import Launcher
@@ -104,10 +105,8 @@ class Service:
                 images=images[Launcher.DOCKER],
             )
         if options.k8s_image:
-            from coordinator.service.launchers.kubernetes import (
-                KubernetesLauncher,
-                current_namespace,
-            )
+            from coordinator.service.launchers.kubernetes import KubernetesLauncher
+            from coordinator.service.launchers.kubernetes_api import current_namespace
 
             images[Launcher.KUBERNETES] = ImagePolicy.of(options.k8s_image, options.allowed_images)
             try:

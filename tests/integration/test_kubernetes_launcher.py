@@ -31,7 +31,13 @@ from kubernetes import client as k8s_client
 from coordinator.deploy import k8s
 from coordinator.etcd.users import Credentials
 from coordinator.launch import WorkerCommand
-from coordinator.service.launchers import VANISHED, Launch
+from coordinator.service.launchers import (
+    VANISHED,
+    Launch,
+    kubernetes_api,
+    kubernetes_job,
+    kubernetes_pods,
+)
 from coordinator.service.launchers import kubernetes as kl
 from coordinator.service.model import JobSpec, Member
 from tests.support.wait import wait_until
@@ -255,7 +261,7 @@ def launchers(api: tuple[StandIn, k8s_client.ApiClient]) -> Iterator[list[kl.Kub
     finally:
         for launcher in made:
             launcher.close()
-            assert launcher._thread is None or not launcher._thread.is_alive()
+            assert launcher.pod_cache._thread is None or not launcher.pod_cache._thread.is_alive()
 
 
 def new_launcher(
@@ -366,10 +372,11 @@ def test_the_launcher_creates_exactly_one_job_with_n_completions(
     assert "--param" in worker["args"]
     env = {var["name"]: var.get("value") for var in worker["env"]}
     assert env["COORDINATOR_ETCD"] == ETCD and env["COORDINATOR_WORLD_SIZE"] == str(workers)
-    assert job["metadata"]["name"] == kl.job_name("demo-1a2b3c4d", 1)
+    assert job["metadata"]["name"] == kubernetes_job.job_name("demo-1a2b3c4d", 1)
     assert job["metadata"]["namespace"] == NS
     # Its pods are the ones the launcher watches.
-    assert job["spec"]["template"]["metadata"]["labels"][kl.LAUNCHER_LABEL] == "kubernetes"
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels[kubernetes_job.LAUNCHER_LABEL] == "kubernetes"
 
     # Every member names that Job and its own index: each finds its pod again.
     assert [m.index for m in members] == list(range(workers))
@@ -400,9 +407,9 @@ def normalised(job: dict[str, Any]) -> dict[str, Any]:
     job["metadata"].pop("name")
     job["metadata"].pop("namespace", None)
     for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
-        meta.get("labels", {}).pop(kl.LAUNCHER_LABEL, None)
-        meta.get("labels", {}).pop(kl.RUN_LABEL, None)
-        meta.get("labels", {}).pop(kl.ATTEMPT_LABEL, None)
+        meta.get("labels", {}).pop(kubernetes_job.LAUNCHER_LABEL, None)
+        meta.get("labels", {}).pop(kubernetes_job.RUN_LABEL, None)
+        meta.get("labels", {}).pop(kubernetes_job.ATTEMPT_LABEL, None)
         meta.pop("annotations", None)
     pod = job["spec"]["template"]["spec"]
     pod.pop("terminationGracePeriodSeconds")
@@ -420,7 +427,7 @@ def test_a_second_launcher_finds_the_job_created_before(
     a = first.start(launch(4), 0)
     b = second.start(launch(4), 1)
     assert [r.body["metadata"]["name"] for r in state.posts()] == [
-        kl.job_name("demo-1a2b3c4d", 1)
+        kubernetes_job.job_name("demo-1a2b3c4d", 1)
     ] * 2
     assert len(state.jobs) == 1
     assert a.container is not None and b.container is not None
@@ -475,7 +482,7 @@ def test_a_member_of_a_job_that_no_longer_exists_vanished(
     launcher = new_launcher(api, launchers)
     member = launcher.start(launch(2), 0)
     # The Job exists and has no pod yet: not ended.
-    wait_until(lambda: launcher._synced.is_set(), 10, "the first pod listing")
+    wait_until(lambda: launcher.pod_cache.synced.is_set(), 10, "the first pod listing")
     assert launcher.exit_code(member) is None
     state.jobs.clear()  # deleted by someone, with its pods
     assert launcher.exit_code(member) == VANISHED
@@ -489,7 +496,7 @@ def test_a_suspended_job_without_pods_ends_its_members(
     state = api[0]
     launcher = new_launcher(api, launchers)
     member = launcher.start(launch(2), 1)
-    wait_until(lambda: launcher._synced.is_set(), 10, "the first pod listing")
+    wait_until(lambda: launcher.pod_cache.synced.is_set(), 10, "the first pod listing")
     launcher.terminate(member)
     (name,) = state.jobs
     state.jobs[name]["status"] = {"active": 1}
@@ -572,7 +579,7 @@ def test_api_errors_never_escape_while_following_and_start_names_them(
     state = api[0]
     launcher = new_launcher(api, launchers)
     member = launcher.start(launch(2), 0)
-    wait_until(lambda: launcher._synced.is_set(), 10, "the first pod listing")
+    wait_until(lambda: launcher.pod_cache.synced.is_set(), 10, "the first pod listing")
     state.broken = True
     before = len(state.requests)
     assert launcher.exit_code(member) is None  # the Job's GET answered 500
@@ -614,7 +621,7 @@ def test_remove_deletes_every_attempt_of_the_submission_only(
     launcher.start(launch(2, attempt=2), 0)
     launcher.start(launch(2, run_id="other-00000000"), 0)
     assert launcher.remove("demo-1a2b3c4d") == 2
-    assert list(state.jobs) == [kl.job_name("other-00000000", 1)]
+    assert list(state.jobs) == [kubernetes_job.job_name("other-00000000", 1)]
     deletes = [r for r in state.requests if r.method == "DELETE"]
     assert all(r.query["propagationPolicy"] == ["Background"] for r in deletes)
     assert launcher.remove("demo-1a2b3c4d") == 0
@@ -622,13 +629,15 @@ def test_remove_deletes_every_attempt_of_the_submission_only(
 
 def test_names_and_labels_fit_kubernetes_limits() -> None:
     long_run = "j" * 63 + "-1a2b3c4d"
-    names = {kl.job_name(run, attempt) for run in ("a-1", long_run) for attempt in (1, 2, 10)}
+    names = {
+        kubernetes_job.job_name(run, attempt) for run in ("a-1", long_run) for attempt in (1, 2, 10)
+    }
     assert len(names) == 6
     for name in names:
         assert len(f"{name}-{k8s.MAX_WORKERS - 1}") <= 63  # the pods' hostnames
-    assert kl.run_label("demo-1a2b3c4d") == "demo-1a2b3c4d"
-    label = kl.run_label(long_run)
-    assert len(label) <= 63 and label != kl.run_label("j" * 63 + "-1a2b3c4e")
+    assert kubernetes_job.run_label("demo-1a2b3c4d") == "demo-1a2b3c4d"
+    label = kubernetes_job.run_label(long_run)
+    assert len(label) <= 63 and label != kubernetes_job.run_label("j" * 63 + "-1a2b3c4e")
 
 
 def test_bad_settings_are_refused_when_the_launcher_is_made(
@@ -678,9 +687,11 @@ def test_a_job_asking_gpus_gets_whole_gpus_in_each_pods_limits(
 
 def test_pod_states_of_evicted_and_foreign_pods() -> None:
     job = {"metadata": {"name": "j"}, "spec": {"template": {"metadata": {"labels": {}}}}}
-    evicted = kl.pod_state(pod_of(job, 2, phase="Failed", reason="Evicted"))
+    evicted = kubernetes_pods.pod_state(pod_of(job, 2, phase="Failed", reason="Evicted"))
     assert evicted is not None and (evicted.index, evicted.exit_code) == (2, VANISHED)
-    assert kl.pod_state({"metadata": {"name": "p", "labels": {}}, "status": {}}) is None
+    assert (
+        kubernetes_pods.pod_state({"metadata": {"name": "p", "labels": {}}, "status": {}}) is None
+    )
 
 
 def test_the_default_namespace_is_the_pods_own_else_the_kubeconfigs(
@@ -688,7 +699,7 @@ def test_the_default_namespace_is_the_pods_own_else_the_kubeconfigs(
 ) -> None:
     own = tmp_path / "namespace"
     own.write_text("team-b\n")
-    assert kl.current_namespace(own) == "team-b"
+    assert kubernetes_api.current_namespace(own) == "team-b"
     kubeconfig = tmp_path / "config"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
@@ -697,9 +708,9 @@ def test_the_default_namespace_is_the_pods_own_else_the_kubeconfigs(
         "users: [{name: u, user: {}}]\n"
     )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    assert kl.current_namespace(tmp_path / "absent") == "team-c"
+    assert kubernetes_api.current_namespace(tmp_path / "absent") == "team-c"
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
-    assert kl.current_namespace(tmp_path / "absent") == "default"
+    assert kubernetes_api.current_namespace(tmp_path / "absent") == "default"
 
 
 def test_without_a_client_the_kubeconfig_is_used_else_a_clear_error(
@@ -758,7 +769,7 @@ def test_each_job_gets_its_etcd_credentials_in_a_secret_the_job_owns(
     }
     data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
     assert data == {"user": CREDENTIALS.user, "password": CREDENTIALS.password}
-    assert secret["metadata"]["labels"][kl.RUN_LABEL] == "demo-1a2b3c4d"
+    assert secret["metadata"]["labels"][kubernetes_job.RUN_LABEL] == "demo-1a2b3c4d"
     assert CREDENTIALS.password not in json.dumps(post.body)
 
     pod = job["spec"]["template"]["spec"]

@@ -9,11 +9,8 @@ alive) and by its assignments (nobody placed members on it since they were read)
 replicas never over-fill an agent, and a job is placed whole or not at all.
 
 A placement too big for one transaction (`max_txn_ops`, `max_txn_bytes`) is
-written ahead by `reserve`, in chunks (`chunks`), each assignment naming the
-placement; the reconciler's transaction then writes only its commit key, which
-agents wait for before they start anything of it. A chunk refused undoes the
-chunks before it. What a writer left uncommitted (it died, or gave up) is swept
-by the leader after `placement_grace`, and a commit goes when its attempt ends.
+written ahead by `reserve`, in chunks, and committed by one key
+(`placements_ahead`); the leader sweeps what was never committed.
 
 An agent starts what is assigned to it at once, so `start` has nothing left to
 do. The member's state is its agent's report; an agent that dies takes its
@@ -30,8 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import time
 from collections import Counter
 
 import httpx
@@ -39,27 +34,22 @@ from pydantic import ValidationError
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
-from coordinator.etcd.txn import CreatedAt, Delete, Empty, KeyValue, Put, QuietSince, ValueIs, When
-from coordinator.keys import Keys, leaf, member_name, new_placement, of_run, placements_of
-from coordinator.service.agent_keys import PLACEMENT_PATTERN, AgentRecord, Report
+from coordinator.etcd.txn import CreatedAt, KeyValue, Put, QuietSince
+from coordinator.keys import Keys, leaf, member_name, of_run, placements_of
+from coordinator.service.agent_keys import AgentRecord, Report
 from coordinator.service.chunks import (
     DEFAULT_MAX_TXN_BYTES,
     DEFAULT_MAX_TXN_OPS,
     Write,
     check_limits,
-    chunk_guards,
-    chunks,
     fits_one_transaction,
 )
 from coordinator.service.launchers import VANISHED, Launch, Reservation
+from coordinator.service.launchers.placements_ahead import PLACEMENT_GRACE, PlacementsAhead
 from coordinator.service.model import JobSpec, Member
 from coordinator.service.placement import AgentRoom, capacity, matches, place
 
 log = logging.getLogger(__name__)
-
-#: Seconds a placement's assignments may wait for its commit before the leader's sweep
-#: removes them: far longer than a writer takes from its first chunk to its commit.
-PLACEMENT_GRACE = 30.0
 
 
 class AgentsLauncher:
@@ -71,18 +61,13 @@ class AgentsLauncher:
         placement_grace: float = PLACEMENT_GRACE,
     ) -> None:
         check_limits(max_txn_ops, max_txn_bytes)
-        if not placement_grace > 0:
-            raise ValueError("placement_grace must be a positive number of seconds")
+        self.ahead = PlacementsAhead(etcd, max_txn_ops, max_txn_bytes, placement_grace)
         self.etcd = etcd
         self.keys = Keys(etcd.namespace)
         # The most operations (and bytes) of one transaction this launcher makes or
         # hands the reconciler: bigger placements are written in chunks.
         self.max_txn_ops = max_txn_ops
         self.max_txn_bytes = max_txn_bytes
-        self.placement_grace = placement_grace
-        # placement id -> when the sweep first saw it uncommitted (monotonic)
-        self._uncommitted: dict[str, float] = {}
-        self._swept_at = float("-inf")
         self._http = httpx.Client(timeout=3.0)
         # agent id -> its output server and token, as last read
         self._addresses: dict[str, tuple[str, str]] = {}
@@ -149,8 +134,7 @@ class AgentsLauncher:
             writes.append(Write(agent_id, key, json.dumps(assignment).encode()))
             members.append(Member(index=index, assignment=f"{agent_id}/{name}"))
         if not fits_one_transaction(writes, self.max_txn_ops, self.max_txn_bytes):
-            ahead = self._reserve_ahead
-            return ahead(launch, placed, assignments, members, registrations, revision)
+            return self.ahead.write(launch, placed, assignments, members, registrations, revision)
         puts = [Put(w.key, w.value, registrations[w.agent_id].lease) for w in writes]
         guards: list[CreatedAt | QuietSince] = []
         for agent_id in sorted({agent_id for agent_id, _ in placed}):
@@ -159,105 +143,11 @@ class AgentsLauncher:
             guards.append(QuietSince(self.keys.assignments(agent_id), revision))
         return Reservation(puts=puts, guards=guards, members=members)
 
-    def _reserve_ahead(
-        self,
-        launch: Launch,
-        placed: list[tuple[str, tuple[int, ...]]],
-        assignments: list[dict[str, object]],
-        members: list[Member],
-        registrations: dict[str, KeyValue],
-        revision: int,
-    ) -> Reservation | None:
-        """Write the assignments now, in chunks, naming a new placement; what the
-        reconciler commits is then the placement's commit key alone (None: a chunk
-        was refused, and those before it are undone)."""
-        placement = new_placement(launch.run_id, launch.attempt)
-        writes = []
-        for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
-            name = member_name(launch.run_id, launch.attempt, index)
-            value = json.dumps({**assignment, "placement": placement}).encode()
-            writes.append(Write(agent_id, self.keys.assignment(agent_id, name), value))
-        agents = {agent_id for agent_id, _ in placed}
-        registered = {
-            a: CreatedAt(registrations[a].key, registrations[a].create_revision) for a in agents
-        }
-        prefixes = {a: self.keys.assignments(a) for a in agents}
-        written_at = dict.fromkeys(agents, revision)
-        written: list[Write] = []
-        for chunk in chunks(writes, self.max_txn_ops, self.max_txn_bytes):
-            puts = [Put(w.key, w.value, registrations[w.agent_id].lease) for w in chunk]
-            guards = chunk_guards(chunk, registered, prefixes, written_at)
-            try:
-                result = self.etcd.transaction(puts, when=guards)
-            except EtcdError as exc:  # an agent's lease gone, etcd away: try again later
-                log.warning("placement %s: a chunk was not written (%s)", placement, exc)
-                result = None
-            if result is None or not result.succeeded:
-                self._withdraw(placement, written)  # (an unanswered chunk: the sweep's)
-                return None
-            written += chunk
-            written_at.update(dict.fromkeys({w.agent_id for w in chunk}, result.revision))
-        commit = {"run_id": launch.run_id, "attempt": launch.attempt, "members": len(members)}
-        put = Put(self.keys.placement(placement), json.dumps(commit))
-        return Reservation(
-            puts=[put], members=members, release=lambda: self._withdraw(placement, written)
-        )
-
-    def _withdraw(self, placement: str, writes: list[Write]) -> None:
-        """Delete these assignments of an uncommitted placement: each only if it still
-        holds what was written, and none once the placement is committed (checked in
-        each transaction). Best effort: what is left, the sweep removes."""
-        commit = self.keys.placement(placement)
-        try:
-            # Each deletion a nested transaction of one condition: one op less per chunk.
-            for chunk in chunks(writes, self.max_txn_ops - 1, self.max_txn_bytes):
-                ops = [When((ValueIs(w.key, "=", w.value),), (Delete(w.key),)) for w in chunk]
-                result = self.etcd.transaction(ops, when=[Empty(commit, _just(commit))])
-                if not result.succeeded:
-                    return  # committed after all: its members are the job's
-        except EtcdError as exc:
-            log.warning("placement %s: not withdrawn yet (%s); the sweep will", placement, exc)
-
     def sweep(self) -> int:
-        """Remove the assignments of placements still uncommitted `placement_grace`
-        seconds after this replica first saw them so (their writer died, or gave up,
-        between its chunks and its commit); how many placements were removed. Asked
-        every tick of the leader; reads etcd only every few seconds."""
-        now = time.monotonic()
-        if now - self._swept_at < min(5.0, max(0.2, self.placement_grace / 4)):
-            return 0
-        self._swept_at = now
-        assigned, _ = self.etcd.get_prefix(self.keys.assignments())
-        committed, _ = self.etcd.get_prefix(self.keys.placements, keys_only=True)
-        made = {self.keys.placement_id(kv.key) for kv in committed}
-        waiting: dict[str, list[Write]] = {}
-        for kv in assigned:
-            placement = _placement_of(kv)
-            if placement is not None and placement not in made:
-                agent_id, _ = self.keys.assigned(kv.key)
-                waiting.setdefault(placement, []).append(Write(agent_id, kv.key, kv.value))
-        self._uncommitted = {p: self._uncommitted.get(p, now) for p in waiting}
-        removed = 0
-        for placement, writes in waiting.items():
-            if now - self._uncommitted[placement] >= self.placement_grace:
-                log.warning(
-                    "placement %s: never committed; its %d assignment(s) removed",
-                    placement, len(writes),
-                )  # fmt: skip
-                self._withdraw(placement, writes)
-                removed += 1
-        return removed
+        return self.ahead.sweep()
 
     def placement_ended(self, run_id: str, attempt: int) -> None:
-        self._delete_commits(placements_of(run_id, attempt))
-
-    def _delete_commits(self, which: re.Pattern[str]) -> int:
-        commits, _ = self.etcd.get_prefix(self.keys.placements, keys_only=True)
-        return sum(
-            self.etcd.delete(kv.key)
-            for kv in commits
-            if which.fullmatch(self.keys.placement_id(kv.key))
-        )
+        self.ahead.ended(run_id, attempt)
 
     def start(self, launch: Launch, index: int) -> Member:
         """The member as `reserve` placed it (its agent started it on its own)."""
@@ -363,7 +253,7 @@ class AgentsLauncher:
         for kv in reports:
             if of_run(leaf(kv.key), run_id):
                 removed += self.etcd.delete(kv.key)
-        return removed + self._delete_commits(placements_of(run_id))
+        return removed + self.ahead.delete_commits(placements_of(run_id))
 
 
 def _assignment(launch: Launch, index: int, gpus: tuple[int, ...]) -> dict[str, object]:
@@ -389,23 +279,6 @@ def _assignment(launch: Launch, index: int, gpus: tuple[int, ...]) -> dict[str, 
             "password": launch.credentials.password,
         }
     return assignment
-
-
-def _placement_of(kv: KeyValue) -> str | None:
-    """The placement an assignment names, if it names a well-formed one (the assignments
-    are the service's own writing, but read back, they are checked)."""
-    try:
-        placement = json.loads(kv.value).get("placement")
-    except (ValueError, AttributeError):
-        return None
-    if isinstance(placement, str) and re.match(PLACEMENT_PATTERN, placement):
-        return placement
-    return None
-
-
-def _just(key: str) -> bytes:
-    """The range end that selects `key` alone."""
-    return key.encode() + b"\0"
 
 
 def _registration(kv: KeyValue) -> AgentRecord | None:

@@ -23,16 +23,13 @@ replaces the value of `--etcd` in the worker arguments by `container_etcd`
 same network), and refuses loopback endpoints: the service's embedded etcd
 listens on loopback only, so docker jobs need an etcd of their own (`--etcd`).
 
-Every member container runs with the least privilege compose gives its containers
-(`member_hardening`): the image's non-root user 10001, a read-only root filesystem
-(writable: a tmpfs at /tmp and the artifacts volume at /artifacts), no capabilities,
-no-new-privileges, and a limit on its processes and its memory (`--docker-pids-limit`,
-`--docker-memory`). Of the service's etcd settings a member gets only the TLS files
-(CA, client certificate), not the service's own user: its per-job etcd user
-(`Launch.credentials`) reaches it as a password file the launcher writes for the
-submission (readable by uid 10001, in a private folder), mounted read-only at
-`MEMBER_PASSWORD_FILE`. Only a job without a user of its own (an etcd without auth, a
-service that may not make users) gets the service's settings, as local members do.
+Every member container runs with the least privilege compose gives its containers,
+with limits on its processes and memory, and of the service's etcd settings only the
+TLS files (`docker_container`). Its per-job etcd user (`Launch.credentials`) reaches
+it as a password file the launcher writes for the submission (readable by uid 10001,
+in a private folder), mounted read-only at `MEMBER_PASSWORD_FILE`. Only a job without
+a user of its own (an etcd without auth, a service that may not make users) gets the
+service's settings, as local members do.
 
 Containers are kept after they exit: their exit code and output are what the
 job record and `GET .../logs` read, for as long as the record lives. `remove(run_id)`
@@ -48,21 +45,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
 import docker
 import requests
 from docker.errors import APIError, DockerException, NotFound
 from docker.models.containers import Container
 
-from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.jobs import COMMAND
-from coordinator.rendezvous.address import endpoint_host, is_loopback
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import (
     NOTHING,
@@ -70,6 +63,18 @@ from coordinator.service.launchers import (
     Launch,
     Reservation,
     member_command,
+)
+from coordinator.service.launchers.docker_container import (
+    DEFAULT_ARTIFACTS,
+    DEFAULT_MEMORY,
+    DEFAULT_PIDS_LIMIT,
+    MEMBER_PASSWORD_FILE,
+    MEMBER_UID,
+    check_limits,
+    container_endpoints,
+    etcd_settings,
+    member_hardening,
+    program_settings,
 )
 from coordinator.service.model import JobSpec, Member
 
@@ -81,57 +86,6 @@ ATTEMPT_LABEL = f"{LABEL_PREFIX}.attempt"
 INDEX_LABEL = f"{LABEL_PREFIX}.index"
 MANAGED_LABEL = f"{LABEL_PREFIX}.managed"  # on the networks this launcher created
 ENGINE_ERRORS = (DockerException, requests.RequestException)
-
-#: The image's user (worker_image/Dockerfile), as compose runs it.
-MEMBER_USER = "10001:10001"
-MEMBER_UID = 10001
-#: Where a member finds its per-job etcd password (a read-only bind mount).
-MEMBER_PASSWORD_FILE = "/run/secrets/etcd-password"
-#: The artifacts volume (a named volume, or an absolute host path) mounted at /artifacts.
-DEFAULT_ARTIFACTS = "etcd-coordinator-artifacts"
-DEFAULT_MEMORY = "2g"  # mnist with PyTorch, the largest job, stays well under it
-DEFAULT_PIDS_LIMIT = 1024  # threads count: PyTorch and gRPC start dozens per process
-
-
-_MEMORY = re.compile(r"^[1-9][0-9]*[bkmg]?$", re.IGNORECASE)
-
-
-def check_limits(memory: str, pids_limit: int) -> None:
-    """Refuse limits the engine would take badly, naming the option."""
-    if not _MEMORY.match(memory):
-        raise ValueError(f"--docker-memory {memory!r}: expected a size such as 2g or 512m")
-    if pids_limit < 1:
-        raise ValueError(f"--docker-pids-limit {pids_limit}: must be at least 1")
-
-
-def member_hardening(memory: str, pids_limit: int, artifacts: str) -> dict[str, Any]:
-    """The docker SDK settings of a member container: the least privilege compose gives
-    its containers (docs/compose.md), and limits on its processes and memory."""
-    return {
-        "user": MEMBER_USER,
-        "read_only": True,
-        "tmpfs": {"/tmp": "rw,nosuid,nodev"},
-        "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true"],
-        "pids_limit": pids_limit,
-        "mem_limit": memory,
-        "memswap_limit": memory,  # no swap beyond the memory limit
-        "volumes": {artifacts: {"bind": "/artifacts", "mode": "rw"}},
-    }
-
-
-def container_endpoints(service_etcd: str, seen_from_containers: str | None) -> str:
-    """The etcd endpoints to give containers: `seen_from_containers` if given, else the
-    service's own, which must then not be loopback (a container's loopback is its own)."""
-    if seen_from_containers:
-        return seen_from_containers
-    loopback = [e for e in service_etcd.split(",") if e.strip() and is_loopback(endpoint_host(e))]
-    if loopback:
-        raise ValueError(
-            f"etcd at {', '.join(loopback)} is loopback, which containers cannot reach: "
-            "give --etcd at an address they reach, or --docker-etcd HOST:PORT as they see it"
-        )
-    return service_etcd
 
 
 class DockerLauncher:
@@ -235,10 +189,10 @@ class DockerLauncher:
         """Create and start the member (the image's entrypoint is `coordinator`)."""
         run_id, attempt = launch.run_id, launch.attempt
         settings = dict(self.hardening)
-        environment, files = _etcd_settings(own_user=launch.credentials is None)
+        environment, files = etcd_settings(own_user=launch.credentials is None)
         environment.update(self._credentials(launch, files))
         settings["volumes"] = {**settings["volumes"], **files}
-        program = _program_settings(launch.spec)
+        program = program_settings(launch.spec)
         return client.containers.run(
             image,
             ["worker", *launch.command.with_etcd(self.container_etcd).argv()],
@@ -275,7 +229,7 @@ class DockerLauncher:
         _write_private(path, launch.credentials.password, MEMBER_UID)
         files[str(path)] = {"bind": MEMBER_PASSWORD_FILE, "mode": "ro"}
         # Only the etcd user's variables: the program's env and folder are the container's
-        # own (see `_program_settings`), so the member must not look for them on its host.
+        # own (see `program_settings`), so the member must not look for them on its host.
         in_container = launch.command.model_copy(update={"program_env": {}, "working_dir": None})
         return member_command(in_container, launch.credentials, MEMBER_PASSWORD_FILE).env()
 
@@ -358,36 +312,6 @@ class DockerLauncher:
             return client.containers.get(name)
         except NotFound:
             return None
-
-
-def _program_settings(spec: JobSpec) -> dict[str, Any]:
-    """A `command` member's container settings: the image's `coordinator` as its process
-    (whatever the image's own entrypoint), the job's `env` in its environment, its
-    `working_dir` as the container's (a folder inside the image). Nothing for other kinds."""
-    if spec.kind != COMMAND:
-        return {}
-    settings: dict[str, Any] = {"entrypoint": ["coordinator"], "environment": dict(spec.env)}
-    if spec.working_dir:
-        settings["working_dir"] = spec.working_dir
-    return settings
-
-
-def _etcd_settings(own_user: bool) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """The service's etcd settings for a member container: the variables, and each file
-    mounted read-only at the same path (uid 10001 must be able to read it). The TLS files
-    always; the service's own user and password file only with `own_user`, when the job
-    has no user of its own (an etcd without auth has none to pass, and a service that may
-    not make users lends its own, as the local launcher does)."""
-    security = EtcdSecurity.from_env()
-    environment: dict[str, str] = {}
-    files: dict[str, dict[str, str]] = {}
-    for name in ENV if own_user else ("ca", "cert", "key"):
-        value = getattr(security, name)
-        if value:
-            environment[ENV[name]] = value
-            if name != "user":
-                files[value] = {"bind": value, "mode": "ro"}
-    return environment, files
 
 
 def _private_dir(path: Path | None) -> Path:

@@ -38,13 +38,8 @@ from coordinator.etcd.users import (
 from coordinator.launch import WorkerCommand
 from coordinator.service.auth import GENERATED_TOKEN_FILE, Tokens
 from coordinator.service.launchers import VANISHED, Launch
-from coordinator.service.launchers.docker import (
-    MANAGED_LABEL,
-    MEMBER_PASSWORD_FILE,
-    MEMBER_UID,
-    RUN_LABEL,
-    DockerLauncher,
-)
+from coordinator.service.launchers.docker import MANAGED_LABEL, RUN_LABEL, DockerLauncher
+from coordinator.service.launchers.docker_container import MEMBER_PASSWORD_FILE, MEMBER_UID
 from coordinator.service.model import JobSpec, Member
 from coordinator.worker import EXIT_INTERRUPTED
 from tests.support.containers import (
