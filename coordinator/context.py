@@ -78,6 +78,16 @@ def _read_environment(env: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
+def etcd_wait_from(env: Mapping[str, str]) -> float | None:
+    """How long a request waits for etcd: the member's own wait (COORDINATOR_ETCD_WAIT),
+    if it is a number of seconds within reason; None: the client's default."""
+    try:
+        seconds = float(env.get("COORDINATOR_ETCD_WAIT", ""))
+    except ValueError:
+        return None
+    return seconds if 1 <= seconds <= 3600 else None
+
+
 def _read_roster(path: Path, job: str, world_size: int) -> RosterFile:
     try:
         roster = RosterFile.model_validate_json(path.read_bytes())
@@ -105,6 +115,7 @@ class Context:
         self.world_size: int = values["world_size"]
         self.round: int = values["round"]
         self._lease: int = values["lease"]
+        self._etcd_wait = etcd_wait_from(env)
         self.roster = _read_roster(Path(env["COORDINATOR_ROSTER"]), self.job, self.world_size)
         self.artifacts = Path(env["COORDINATOR_ARTIFACTS"])
         self._endpoints = env["COORDINATOR_ETCD"]
@@ -123,7 +134,12 @@ class Context:
         """The program's view of its member (internal: the barriers use it)."""
         with self._lock:
             if self._member is None:
-                self._etcd = Etcd(self._endpoints, namespace=self._namespace, probe=self._probe)
+                self._etcd = Etcd(
+                    self._endpoints,
+                    namespace=self._namespace,
+                    probe=self._probe,
+                    retry_window=self._etcd_wait,
+                )
                 self._member = AttachedMember(
                     self._etcd,
                     self.job,

@@ -215,6 +215,7 @@ class CommandJob:
             etcd_endpoints=",".join(member.etcd.endpoints),
             namespace=member.etcd.namespace,
             lease=member.lease_id,
+            etcd_wait=member.etcd.retry_window,
         )
         if self.carry_on:  # from connect on: every member started its program
             member.carry_on_without_lost()

@@ -23,6 +23,7 @@ CONTRACT = (
     "COORDINATOR_JOB", "COORDINATOR_RANK", "COORDINATOR_WORLD_SIZE", "COORDINATOR_ROSTER",
     "COORDINATOR_ARTIFACTS", "COORDINATOR_ETCD", "COORDINATOR_NAMESPACE",
     "COORDINATOR_ROUND", "COORDINATOR_LEASE", "COORDINATOR_REPORTS_FD",
+    "COORDINATOR_ETCD_WAIT",
 )  # fmt: skip
 
 
@@ -99,13 +100,16 @@ def program_environment(
     etcd_endpoints: str,
     namespace: str,
     lease: int | None = None,
+    etcd_wait: float | None = None,
 ) -> dict[str, str]:
     """The member's environment with the contract's variables set (ours win over inherited
     ones of the same name). Only the etcd settings' names and file paths pass: there is
     no password variable to pass (the password lives in the file the path names).
 
     `lease` is the member's etcd lease (COORDINATOR_LEASE, hex): `coordinator.context()`
-    binds the program's barrier keys to it, so they live exactly as long as the member."""
+    binds the program's barrier keys to it, so they live exactly as long as the member.
+    `etcd_wait` (COORDINATOR_ETCD_WAIT, seconds): how long the member's own requests wait
+    for etcd; the program's wait as long, so an outage its member rides out it does too."""
     local_rank, local_world = local_ranks(roster, rank)
     env = {k: v for k, v in base.items() if k not in CONTRACT}
     env.update(
@@ -126,6 +130,8 @@ def program_environment(
     )
     if lease is not None:
         env["COORDINATOR_LEASE"] = f"{lease:x}"
+    if etcd_wait is not None:
+        env["COORDINATOR_ETCD_WAIT"] = f"{etcd_wait:g}"
     for var in ETCD_SECURITY_ENV.values():
         if not env.get(var):
             env.pop(var, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.context import etcd_wait_from
 from coordinator.jobs.environment import program_environment
 from coordinator.launch import WorkerCommand, parse_gpus
 from coordinator.rendezvous.roster import Roster
@@ -93,3 +94,19 @@ def test_a_members_gpus_become_its_programs_cuda_visible_devices() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
     plain = program_environment({}, roster=roster, rank=0, **settings)  # type: ignore[arg-type]
     assert "CUDA_VISIBLE_DEVICES" not in plain
+
+
+def test_a_program_waits_for_etcd_as_long_as_its_member() -> None:
+    roster = Roster.model_validate(
+        {"job_id": "j", "round": 1, "world_size": 1, "secret": "0" * 64,
+         "members": [{"rank": 0, "member_id": "m", "host": "127.0.0.1", "port": 1,
+                      "hostname": "h", "pid": 1}]}
+    )  # fmt: skip
+    settings = {"ports": {0: 2}, "roster_file": "/r", "artifacts": "/a", "etcd_endpoints": "e",
+                "namespace": "/n"}  # fmt: skip
+    inherited = {"COORDINATOR_ETCD_WAIT": "9999"}  # never the member's own environment's
+    env = program_environment(inherited, roster=roster, rank=0, etcd_wait=65.0, **settings)  # type: ignore[arg-type]
+    assert env["COORDINATOR_ETCD_WAIT"] == "65"
+    assert etcd_wait_from(env) == 65.0
+    for untrusted in ("", "soon", "0", "nan", "1e9", "-5"):
+        assert etcd_wait_from({"COORDINATOR_ETCD_WAIT": untrusted}) is None, untrusted
