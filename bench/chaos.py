@@ -21,8 +21,8 @@ waited for, everything is stopped cleanly, and what must hold is checked
 - no job ran twice at once: its attempts do not overlap, and no two runs of one
   rank of a `command` program overlap (the programs' own log says when they ran);
 - every failed job says why;
-- no process of the soak and no member's private folder (which holds the round's
-  secret) is left, and a TTL later no lease and no key but the
+- no process of the soak and no member's private folder (its roster file) is
+  left, and a TTL later no lease and no key but the
   job records.
 
 It prints the faults injected and the time from each to recovery (the service

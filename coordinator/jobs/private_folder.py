@@ -1,5 +1,5 @@
 """A member's private folder (0700) for what its program must read but nobody else:
-the roster file, which holds the round's secret.
+the roster file, with every member's address and pid.
 
 A member removes its folder when it closes; one killed by SIGKILL cannot. So
 each folder's name carries its member's pid, and every member, as it makes its
