@@ -52,13 +52,13 @@ from torch.nn import functional
 from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming
 from coordinator.datasets.mnist import MnistSource, load_test, load_train_shard
 from coordinator.datasets.shards import plan
-from coordinator.jobs.mnist import batch_rows, steps_per_epoch
+from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch
+from coordinator.jobs.mnist.options import CLASSES
 from coordinator.ps.model import FlatModel, MnistNet
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.simulator.delays import DelayModel, ShiftedExponential
 from coordinator.simulator.engine import Hooks, simulate
 
-CLASSES = 10
 #: The live mnist job's default optimizer.
 DEFAULT_OPTIMIZER = OptimizerSpec("sgd", 0.02, 0.9)
 _EVAL_CHUNK = 2000  # test images per forward pass

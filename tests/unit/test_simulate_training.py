@@ -17,7 +17,7 @@ from typer.testing import CliRunner  # noqa: E402
 from coordinator.barriers.policy import BarrierSpec, Method  # noqa: E402
 from coordinator.cli import app  # noqa: E402
 from coordinator.datasets.mnist import parse_mnist  # noqa: E402
-from coordinator.jobs.mnist import batch_rows, steps_per_epoch  # noqa: E402
+from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch  # noqa: E402
 from coordinator.ps.model import FlatModel  # noqa: E402
 from coordinator.ps.optim import OptimizerSpec  # noqa: E402
 from coordinator.simulator import train_report  # noqa: E402
