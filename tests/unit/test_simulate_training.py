@@ -23,12 +23,8 @@ from coordinator.ps.optim import OptimizerSpec  # noqa: E402
 from coordinator.simulator import train_report  # noqa: E402
 from coordinator.simulator.delays import Stragglers, Trace, parse_delay  # noqa: E402
 from coordinator.simulator.engine import Hooks, simulate  # noqa: E402
-from coordinator.simulator.training import (  # noqa: E402
-    TrainingData,
-    Transfer,
-    initial_weights,
-    train,
-)
+from coordinator.simulator.training import Transfer, initial_weights, train  # noqa: E402
+from coordinator.simulator.training_data import TrainingData  # noqa: E402
 
 runner = CliRunner()
 SEEDS = (0, 1)
