@@ -56,7 +56,9 @@ from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import parse
 from coordinator.simulator.delays import Trace
 from coordinator.simulator.train_report import mean_interval
-from coordinator.simulator.training import TrainingData, TrainingRun, Transfer, train
+from coordinator.simulator.training import Transfer, train
+from coordinator.simulator.training_data import TrainingData
+from coordinator.simulator.training_results import TrainingRun
 
 console = Console(width=160)
 NO_TRANSFER = Transfer(latency=0.0, bandwidth=1e18)  # the trace's durations include it

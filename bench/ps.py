@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.datasets.mnist import load_train_shard, parse_mnist
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.jobs.mnist import batch_rows
+from coordinator.jobs.mnist.batches import batch_rows
 from coordinator.launch import WorkerCommand
 from coordinator.ps.client import ServerAddress, ServerLinks
 from coordinator.ps.model import FlatModel, MnistNet, server_tensors

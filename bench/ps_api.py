@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coordinator import ps
 from coordinator.datasets.mnist import load_train_shard, parse_mnist
 from coordinator.etcd.server import free_port
-from coordinator.jobs.mnist import batch_rows, steps_per_epoch
+from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch
 from coordinator.ps.model import MnistNet
 
 console = Console(width=120)

@@ -32,7 +32,8 @@ from torch.nn import functional
 from coordinator.datasets.mnist import parse_mnist
 from coordinator.ps.optim import OptimizerSpec
 from coordinator.simulator.spec import parse_barriers
-from coordinator.simulator.training import TrainingData, initial_weights, train
+from coordinator.simulator.training import initial_weights, train
+from coordinator.simulator.training_data import TrainingData
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 METHODS = "bsp,ssp:3,asp,pbsp:4,pssp:3:4,dssp:3:12"

@@ -95,10 +95,11 @@ def _train(job: dict) -> object:
     from coordinator.datasets.mnist import parse_mnist
     from coordinator.ps.optim import OptimizerSpec
     from coordinator.simulator import training
+    from coordinator.simulator.training_data import TrainingData
 
     key = (job["workers"], job["test_rows"])
     if key not in _DATA:
-        _DATA[key] = training.TrainingData.load(parse_mnist(job["data"]), *key)
+        _DATA[key] = TrainingData.load(parse_mnist(job["data"]), *key)
     data = _DATA[key]
     spec, aggregate = specs_of(job["method"])[0]
     run = training.train(
@@ -120,8 +121,9 @@ def _train(job: dict) -> object:
 def eval_grid(workers: int, delay: str, data: str, batch: int, epochs: float, points: int):
     from coordinator.datasets.mnist import parse_mnist
     from coordinator.simulator import training
+    from coordinator.simulator.training_data import TrainingData
 
-    loaded = training.TrainingData.load(parse_mnist(data), workers, 1)
+    loaded = TrainingData.load(parse_mnist(data), workers, 1)
     return training.default_eval_seconds(
         parse_delay(delay), loaded, batch, epochs, None, points=points
     )

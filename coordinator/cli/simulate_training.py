@@ -116,6 +116,8 @@ def run(options: Options) -> None:
             raise _bad(f"{value:g} is out of range", name)
     try:
         from coordinator.simulator import train_report, training
+        from coordinator.simulator.training_data import TrainingData
+        from coordinator.simulator.training_results import label
     except ImportError as exc:
         raise _bad(
             f"training needs PyTorch ({exc.name} is missing): {MNIST_EXTRA}", "--train"
@@ -125,7 +127,7 @@ def run(options: Options) -> None:
 
     try:
         source = parse_mnist(options.data, field="--data")
-        data = training.TrainingData.load(source, options.workers, options.test_rows)
+        data = TrainingData.load(source, options.workers, options.test_rows)
     except ValueError as exc:
         raise _bad(str(exc), "--data") from None
     epochs = options.epochs
@@ -152,7 +154,7 @@ def run(options: Options) -> None:
     ) as bar:
         task = bar.add_task("training", total=len(plan))
         for spec, aggregate, seed in plan:
-            name = training.label(spec, aggregate, timing)
+            name = label(spec, aggregate, timing)
             bar.update(task, description=f"{name} seed {seed}")
             runs.append(
                 training.train(

@@ -6,9 +6,9 @@
 no coordination is needed beyond agreeing on the source, rank and world size.
 """
 
+from coordinator.datasets.file_formats import Layout
 from coordinator.datasets.load import (
     EmptyShard,
-    Layout,
     Shard,
     check_shards,
     digest,

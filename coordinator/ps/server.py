@@ -11,9 +11,9 @@ ACK: a trainer's push and next pull in one round trip.
 
 Published weights are never written again: an update reads them and writes
 the next weights into a free buffer (`optim.FlatOptimizer`), which it then
-publishes. A pull takes the published buffer under the lock and sends it
-without the lock and without a copy, while further updates go on, and no
-trainer ever reads weights an update is half-way through.
+publishes (`published.PublishedWeights`). A pull takes the published buffer
+under the lock and sends it without the lock and without a copy, while further
+updates go on, and no trainer ever reads weights an update is half-way through.
 
 Every `checkpoint_every` updates the server writes its share, the optimizer
 state, its version and the trainers' clocks to a file (temporary name, then
@@ -42,6 +42,7 @@ import torch
 from coordinator.files import replacing
 from coordinator.ps import wire
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
+from coordinator.ps.published import PublishedWeights
 from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
 
 MAX_CLOCK = 1 << 40  # a trainer's clock in a PUSH: far beyond any job, far below overflow
@@ -79,41 +80,6 @@ class _Step:
     applied: bool = False
 
 
-class _Published:
-    """The published weights and the buffers an update may write (used under the lock).
-
-    A buffer being sent to a trainer is borrowed; an update writes only a buffer
-    that is neither published nor borrowed, so the pool holds at most one buffer
-    per connection plus two.
-    """
-
-    def __init__(self, weights: torch.Tensor) -> None:
-        self.current = weights
-        self._free: list[torch.Tensor] = []
-        self._borrowers: dict[int, int] = {}  # id(buffer) -> pulls sending it
-
-    def borrow(self) -> torch.Tensor:
-        key = id(self.current)
-        self._borrowers[key] = self._borrowers.get(key, 0) + 1
-        return self.current
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        key = id(buffer)
-        self._borrowers[key] -= 1
-        if not self._borrowers[key]:
-            del self._borrowers[key]
-            if buffer is not self.current:
-                self._free.append(buffer)
-
-    def writable(self) -> torch.Tensor:
-        return self._free.pop() if self._free else torch.empty_like(self.current)
-
-    def publish(self, buffer: torch.Tensor) -> None:
-        old, self.current = self.current, buffer
-        if id(old) not in self._borrowers:
-            self._free.append(old)
-
-
 class ParameterServer:
     """Serve one share of the parameters to `trainers` trainers (see the module docstring)."""
 
@@ -140,7 +106,7 @@ class ParameterServer:
         # The whole share as one flat tensor: SGD and Adam are elementwise, so this is
         # the same update as per tensor, in one call instead of one per tensor.
         self.size = sum(t.numel() for _, t in tensors)
-        self.weights = _Published(torch.cat([t.detach().reshape(-1) for _, t in tensors]))
+        self.weights = PublishedWeights(torch.cat([t.detach().reshape(-1) for _, t in tensors]))
         self.optimizer = FlatOptimizer(optimizer, self.size)
         self.aggregate = aggregate
         self.version = 0

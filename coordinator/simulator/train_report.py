@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from coordinator.simulator.report import SIM_EXTRA, PlotUnavailable
 
 if TYPE_CHECKING:  # the runs come from the torch side; this module needs no torch
-    from coordinator.simulator.training import TrainingRun
+    from coordinator.simulator.training_results import TrainingRun
 
 ACCURACY_COLUMNS = ["method", "seed", "virtual_seconds", "updates", "samples", "accuracy", "loss"]
 TIME_COLUMNS = ["method", "target", "mean", "ci95_low", "ci95_high", "reached", "seeds"]

@@ -34,6 +34,8 @@ labels; the loss is the given one's, averaged over the test set.
 
 A run depends on nothing but its arguments: one torch thread inside, seeded
 generators, no wall clock. The same arguments give the same numbers, bit for bit.
+
+The data are a `training_data.TrainingData`; a run returns a `training_results.TrainingRun`.
 """
 
 from __future__ import annotations
@@ -50,15 +52,15 @@ from torch import nn
 from torch.nn import functional
 
 from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming
-from coordinator.datasets.mnist import MnistSource, load_test, load_train_shard
-from coordinator.datasets.shards import plan
-from coordinator.jobs.mnist import batch_rows, steps_per_epoch
+from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch
+from coordinator.jobs.mnist.options import CLASSES
 from coordinator.ps.model import FlatModel, MnistNet
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.simulator.delays import DelayModel, ShiftedExponential
 from coordinator.simulator.engine import Hooks, simulate
+from coordinator.simulator.training_data import TrainingData
+from coordinator.simulator.training_results import Evaluation, TrainingRun, label
 
-CLASSES = 10
 #: The live mnist job's default optimizer.
 DEFAULT_OPTIMIZER = OptimizerSpec("sgd", 0.02, 0.9)
 _EVAL_CHUNK = 2000  # test images per forward pass
@@ -91,102 +93,6 @@ class _PlusTransfer:
 
     def sample(self, worker: int, step: int, rng: random.Random) -> float:
         return self.base.sample(worker, step, rng) + self.extra
-
-
-@dataclass
-class TrainingData:
-    """Every trainer's shard and the test set, as tensors (load once, train many runs)."""
-
-    shards: list[tuple[torch.Tensor, torch.Tensor]]
-    test: tuple[torch.Tensor, torch.Tensor]
-    rows: int
-    cols: int
-
-    @classmethod
-    def load(cls, source: MnistSource, workers: int, test_rows: int | None = None) -> TrainingData:
-        """`workers` shards as the live job cuts them; the test set (its first `test_rows`)."""
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        shards = []
-        for w in range(workers):
-            images = load_train_shard(source, w, workers)
-            shards.append((torch.from_numpy(images.x), torch.from_numpy(images.y)))
-        test = load_test(source)
-        x, y = torch.from_numpy(test.x), torch.from_numpy(test.y)
-        if test_rows is not None:
-            x, y = x[:test_rows], y[:test_rows]
-        return cls(shards, (x, y), source.rows, source.cols)
-
-    @classmethod
-    def from_tensors(
-        cls,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        test_x: torch.Tensor,
-        test_y: torch.Tensor,
-        workers: int,
-    ) -> TrainingData:
-        """A user's data: `workers` shards of contiguous rows, cut as the live job cuts one
-        file (`shards.plan`); `y` and `test_y` are integer class labels."""
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        if len(x) != len(y) or len(test_x) != len(test_y):
-            raise ValueError("x and y (and test_x and test_y) must have as many rows")
-        if len(x) < workers:
-            raise ValueError(f"{len(x)} training rows cannot make {workers} shards")
-        if y.dtype.is_floating_point or test_y.dtype.is_floating_point:
-            raise ValueError("y and test_y must be integer class labels")
-        shards = []
-        for pieces in plan([len(x)], workers):
-            rows = torch.cat([torch.arange(piece.start, piece.stop) for piece in pieces])
-            shards.append((x[rows], y[rows]))
-        return cls(shards, (test_x, test_y), 0, 0)
-
-    @property
-    def workers(self) -> int:
-        return len(self.shards)
-
-    @property
-    def train_count(self) -> int:
-        return sum(len(y) for _, y in self.shards)
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    virtual_seconds: float
-    updates: int
-    samples: int  # training samples in the updates applied so far
-    accuracy: float
-    loss: float
-
-
-@dataclass
-class TrainingRun:
-    """One method, one seed: the evaluations, the staleness of every gradient, the end."""
-
-    label: str
-    seed: int
-    evaluations: list[Evaluation]
-    staleness: Counter[int]
-    weights: torch.Tensor  # the server's final flat weights (FlatModel order, one server)
-    updates: int
-    samples: int
-    virtual_seconds: float  # when it stopped
-
-    def time_to(self, target: float) -> float | None:
-        """Virtual seconds of the first evaluation at or above `target`; None if never."""
-        for evaluation in self.evaluations:
-            if evaluation.accuracy >= target:
-                return evaluation.virtual_seconds
-        return None
-
-
-def label(spec: BarrierSpec, aggregate: bool = False, timing: SampleTiming | None = None) -> str:
-    if aggregate:
-        return f"{spec}-agg"
-    if spec.sampled and timing == SampleTiming.PER_STEP:
-        return f"{spec} per-step"
-    return str(spec)
 
 
 def initial_weights(

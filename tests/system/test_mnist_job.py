@@ -29,7 +29,8 @@ from torch.nn import functional
 from coordinator.datasets.mnist import load_test, load_train_shard, parse_mnist
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.jobs.mnist import batch_rows, initial_model, parse
+from coordinator.jobs.mnist.batches import batch_rows
+from coordinator.jobs.mnist.options import initial_model, parse
 from coordinator.ps.model import MnistNet
 from coordinator.ps.wire import HEADER, MAGIC, Dtype, Kind
 from coordinator.rendezvous import handshake

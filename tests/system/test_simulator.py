@@ -22,9 +22,10 @@ from coordinator.simulator.delays import (
     parse_delay,
     sampler,
 )
-from coordinator.simulator.engine import Result, _Others, simulate
+from coordinator.simulator.engine import Result, simulate
 from coordinator.simulator.report import write_csv
 from coordinator.simulator.spec import parse_barriers
+from coordinator.simulator.strategies import _Others
 
 ROOT = Path(__file__).resolve().parents[2]
 

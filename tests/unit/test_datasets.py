@@ -27,8 +27,8 @@ from coordinator.datasets import (
     parse_source,
     plan,
 )
-from coordinator.datasets.load import SYNTHETIC_BLOCK
 from coordinator.datasets.shards import by_file
+from coordinator.datasets.synthetic import SYNTHETIC_BLOCK
 
 # plan ----------------------------------------------------------------------------------------
 

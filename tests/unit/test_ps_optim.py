@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
-from coordinator.ps.server import _Published
+from coordinator.ps.published import PublishedWeights
 
 SPECS = {
     "sgd": OptimizerSpec("sgd", 0.05),
@@ -92,7 +92,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused() -> None:
 
 
 def test_an_update_never_writes_weights_a_pull_is_still_sending() -> None:
-    published = _Published(torch.zeros(4))
+    published = PublishedWeights(torch.zeros(4))
     sending = published.borrow()
     for _ in range(3):  # updates go on while that pull sends
         target = published.writable()

@@ -17,18 +17,14 @@ from typer.testing import CliRunner  # noqa: E402
 from coordinator.barriers.policy import BarrierSpec, Method  # noqa: E402
 from coordinator.cli import app  # noqa: E402
 from coordinator.datasets.mnist import parse_mnist  # noqa: E402
-from coordinator.jobs.mnist import batch_rows, steps_per_epoch  # noqa: E402
+from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch  # noqa: E402
 from coordinator.ps.model import FlatModel  # noqa: E402
 from coordinator.ps.optim import OptimizerSpec  # noqa: E402
 from coordinator.simulator import train_report  # noqa: E402
 from coordinator.simulator.delays import Stragglers, Trace, parse_delay  # noqa: E402
 from coordinator.simulator.engine import Hooks, simulate  # noqa: E402
-from coordinator.simulator.training import (  # noqa: E402
-    TrainingData,
-    Transfer,
-    initial_weights,
-    train,
-)
+from coordinator.simulator.training import Transfer, initial_weights, train  # noqa: E402
+from coordinator.simulator.training_data import TrainingData  # noqa: E402
 
 runner = CliRunner()
 SEEDS = (0, 1)
