@@ -140,7 +140,9 @@ class EmbeddedEtcd:
             *(["--bcrypt-cost", "4"] if self.auth else []),
             *self.extra_args,
         ]  # fmt: skip
-        with open(self.log_path, "ab") as log:
+        # etcd's log names its members and clients: private to this user, like its data.
+        descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(descriptor, "ab") as log:
             # A process group of its own: Ctrl-C in a terminal reaches us, and we
             # stop etcd ourselves, in order, instead of racing the signal.
             self.process = subprocess.Popen(

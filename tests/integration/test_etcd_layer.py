@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -127,6 +128,13 @@ def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Pat
         watch.cancel()
         assert [e.value for e in seen] == [b"0", b"1", b"2", b"3"]
         assert [e.kind for e in seen] == ["put"] * 4
+
+
+def test_an_embedded_etcds_data_and_log_are_private(tmp_path: Path) -> None:
+    with EmbeddedEtcd(tmp_path / "etcd") as server:
+        assert server.log_path.exists()
+        assert stat.S_IMODE(server.log_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(server.data_dir.stat().st_mode) == 0o700
 
 
 def test_only_deletes_watch_carries_the_previous_value(etcd: Etcd) -> None:
