@@ -56,6 +56,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.events import Exit, Phase
+from coordinator.launch import WorkerCommand
 from coordinator.launch.piped import LocalLauncher
 from tests.support.service import ServiceProc, kill_members, wait_state
 from tests.support.wait import WaitTimeout
@@ -276,41 +278,32 @@ def through_launcher(endpoint: str, workers: int) -> tuple[float, float]:
     """The same through `coordinator run`'s launcher: seconds to the N-th `connect` event,
     and to every member's exit."""
     job_id = f"run-{uuid.uuid4().hex[:8]}"
-    args = [
-        "--job",
-        job_id,
-        "--world-size",
-        str(workers),
-        "--etcd",
-        endpoint,
-        "--kind",
-        "noop",
-        "--namespace",
-        "/bench-run",
-        "--ttl",
-        "10",
-        "--timeout",
-        "300",
-        "--connect-timeout",
-        "10",
-        "--param",
-        "seconds=0",
-    ]  # fmt: skip  (what `coordinator run` passes its workers)
+    command = WorkerCommand(
+        job_id=job_id,
+        world_size=workers,
+        etcd=endpoint,
+        kind="noop",
+        namespace="/bench-run",
+        ttl=10,
+        timeout=300,
+        connect_timeout=10,
+        params={"seconds": "0"},
+    )  # fmt: skip  (what `coordinator run` gives its workers)
     began = time.perf_counter()
-    launcher = LocalLauncher(workers, args)
+    launcher = LocalLauncher(workers, command)
     try:
         connected, exited, running = 0, 0, None
         deadline = time.monotonic() + 120
         while exited < workers:
             _, event = launcher.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            if event["event"] == "phase" and event["phase"] == "connect":
+            if isinstance(event, Phase) and event.phase == "connect":
                 connected += 1
                 if connected == workers:
                     running = time.perf_counter() - began
-            elif event["event"] == "exit":
+            elif isinstance(event, Exit):
                 exited += 1
-                if event["exit_code"] != 0:
-                    raise RuntimeError(f"a worker exited {event['exit_code']}")
+                if event.exit_code != 0:
+                    raise RuntimeError(f"a worker exited {event.exit_code}")
         ended = time.perf_counter() - began
     finally:
         launcher.stop()
