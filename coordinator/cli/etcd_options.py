@@ -1,6 +1,6 @@
-"""What every command that reaches etcd shares: --etcd, and the --etcd-* security options, declared
-once and added to each such command by `with_etcd_security`; their check; and the
-connection that ends the command with exit 3 when etcd cannot be reached."""
+"""What every command that reaches etcd shares: --etcd; the --etcd-* security options,
+declared once and added to each such command by `with_etcd_security`, and their check;
+and the connection that ends the command with exit 3 when etcd cannot be reached."""
 
 from __future__ import annotations
 
