@@ -39,7 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api import Service, console, through_service  # bench/api.py
+from api import NAMESPACE, Service, console, through_service  # bench/api.py
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
@@ -51,7 +51,6 @@ from coordinator.service.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.store import JobStore
 from tests.support.wait import wait_until
 
-NAMESPACE = "/bench-api"  # the namespace bench/api.py's Service serves
 AGENTS = 4
 
 

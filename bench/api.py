@@ -38,8 +38,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,67 +56,38 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.events import Exit, Phase
+from coordinator.launch import WorkerCommand
 from coordinator.launch.piped import LocalLauncher
-from tests.support.wait import WaitTimeout, wait_until
+from tests.support.service import ServiceProc, kill_members, wait_state
+from tests.support.wait import WaitTimeout
 
 console = Console(width=130)
 PAST_CONNECT = {"connect", "training", "cleaner", "done"}  # a member's phase once connected
 FINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 TARGET_P99_MS = 50.0
 TARGET_OVERHEAD_S = 0.5
+NAMESPACE = "/bench-api"  # the namespace of the service it starts
 
 
-class Service:
-    """`coordinator serve` as a subprocess on a free loopback port."""
+class Service(ServiceProc):
+    """The tests' `coordinator serve` process (`tests/support/service.py`) serving NAMESPACE
+    with `max_workers` slots, and what the benches ask of it besides: submits that must be
+    new, and a stop that leaves no job and no member behind."""
 
     def __init__(self, endpoint: str, data: Path, max_workers: int, *extra: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.data = data
-        self.log = open(data / "serve.log", "wb")  # noqa: SIM115 (closed in stop)
-        args = [
-            sys.executable, "-m", "coordinator", "serve", "--port", str(port),
-            "--etcd", endpoint, "--namespace", "/bench-api", "--data-dir", str(data),
-            "--max-workers", str(max_workers), "--grace", "3", *extra,
-        ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-
-        def answers() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"serve exited {self.process.returncode}: see {self.log.name}")
-            try:
-                return self.http.get("/healthz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(answers, 60, "answer from the service")
+        # --member-ttl 10: serve's default (the tests' 2 s would add lease renewals).
+        super().__init__(endpoint, NAMESPACE, data, *extra, max_workers=max_workers, member_ttl=10)
+        self.ready()
         # The token serve made (it has auth on unless --insecure): every client sends it.
-        token = next(
-            line.split()[1]
-            for line in (data / "api-token").read_text().splitlines()
-            if line.startswith("submit ")
-        )
-        self.http.headers["Authorization"] = f"Bearer {token}"
-        Connection.authorization = f"Authorization: Bearer {token}\r\n"
+        token = self.generated_token()
+        Connection.authorization = f"Authorization: Bearer {token}\r\n" if token else ""
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         response = self.http.post("/v1/jobs", json=spec)
         if response.status_code != 201:
             raise RuntimeError(f"submit {spec}: {response.status_code} {response.text}")
         return dict(response.json())
-
-    def record(self, job_id: str) -> dict[str, Any]:
-        return dict(self.http.get(f"/v1/jobs/{job_id}").json())
-
-    def wait_state(self, job_id: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
-        return wait_until(
-            lambda: (r := self.record(job_id))["state"] in states and r,
-            timeout,
-            f"{job_id} {states}",
-        )
 
     def finish_everything(self) -> None:
         """Cancel every live job and wait until all are final (their members gone)."""
@@ -127,35 +96,15 @@ class Service:
             if job["state"] not in FINAL:
                 self.http.post(f"/v1/jobs/{job['id']}/cancel")
         for job in jobs:
-            self.wait_state(job["id"], FINAL, timeout=60)
+            wait_state(self, job["id"], FINAL, timeout=60)
 
     def stop(self) -> None:
         try:
             self.finish_everything()
         except (httpx.HTTPError, WaitTimeout) as exc:
             console.print(f"[yellow]could not finish the jobs cleanly: {exc}[/yellow]")
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._kill_members()
-        self.http.close()
-        self.log.close()
-
-    def _kill_members(self) -> None:
-        """Kill any member still running (its process group), found from its pidfile."""
-        import psutil
-
-        for pidfile in self.data.glob("logs/*/*/member-*.pid"):
-            identity = json.loads(pidfile.read_text())
-            try:
-                if abs(psutil.Process(identity["pid"]).create_time() - identity["started"]) < 0.05:
-                    os.killpg(identity["pid"], signal.SIGKILL)
-            except (psutil.NoSuchProcess, ProcessLookupError):
-                pass
+        super().stop()
+        kill_members(self.data)  # any member still running
 
 
 # -- 1. reads and 2. submits: a closed loop of concurrent clients ----------------------------
@@ -276,7 +225,7 @@ def submits(service: Service, workers: int, clients: int, requests: int) -> Tabl
     """POST throughput with every slot held, so nothing submitted starts meanwhile."""
     holder = f"hold-{uuid.uuid4().hex[:6]}"
     service.submit({"id": holder, "kind": "noop", "workers": workers, "params": {"seconds": 600}})
-    service.wait_state(holder, {"RUNNING"})
+    wait_state(service, holder, {"RUNNING"}, timeout=120)
     run = uuid.uuid4().hex[:6]
 
     def post(connection: Connection, n: int) -> Any:
@@ -329,41 +278,32 @@ def through_launcher(endpoint: str, workers: int) -> tuple[float, float]:
     """The same through `coordinator run`'s launcher: seconds to the N-th `connect` event,
     and to every member's exit."""
     job_id = f"run-{uuid.uuid4().hex[:8]}"
-    args = [
-        "--job",
-        job_id,
-        "--world-size",
-        str(workers),
-        "--etcd",
-        endpoint,
-        "--kind",
-        "noop",
-        "--namespace",
-        "/bench-run",
-        "--ttl",
-        "10",
-        "--timeout",
-        "300",
-        "--connect-timeout",
-        "10",
-        "--param",
-        "seconds=0",
-    ]  # fmt: skip  (what `coordinator run` passes its workers)
+    command = WorkerCommand(
+        job_id=job_id,
+        world_size=workers,
+        etcd=endpoint,
+        kind="noop",
+        namespace="/bench-run",
+        ttl=10,
+        timeout=300,
+        connect_timeout=10,
+        params={"seconds": "0"},
+    )  # fmt: skip  (what `coordinator run` gives its workers)
     began = time.perf_counter()
-    launcher = LocalLauncher(workers, args)
+    launcher = LocalLauncher(workers, command)
     try:
         connected, exited, running = 0, 0, None
         deadline = time.monotonic() + 120
         while exited < workers:
             _, event = launcher.events.get(timeout=max(0.0, deadline - time.monotonic()))
-            if event["event"] == "phase" and event["phase"] == "connect":
+            if isinstance(event, Phase) and event.phase == "connect":
                 connected += 1
                 if connected == workers:
                     running = time.perf_counter() - began
-            elif event["event"] == "exit":
+            elif isinstance(event, Exit):
                 exited += 1
-                if event["exit_code"] != 0:
-                    raise RuntimeError(f"a worker exited {event['exit_code']}")
+                if event.exit_code != 0:
+                    raise RuntimeError(f"a worker exited {event.exit_code}")
         ended = time.perf_counter() - began
     finally:
         launcher.stop()
@@ -424,10 +364,10 @@ def main(
     tables: list[Table] = []
     with EmbeddedEtcd() as server, tempfile.TemporaryDirectory(prefix="bench-api-") as data:
         server.security.export()  # its root's settings (auth is on): serve inherits them
-        service = Service(server.endpoint, Path(data), max_workers=workers)
+        service = Service(server.endpoint, Path(data) / "service", max_workers=workers)
         try:
             finished = service.submit({"kind": "noop", "workers": 1, "params": {"seconds": 0}})
-            service.wait_state(finished["id"], {"SUCCEEDED"})
+            wait_state(service, finished["id"], {"SUCCEEDED"}, timeout=120)
             counts = [int(c) for c in clients.split(",")]
             tables.append(reads(service, finished["id"], counts, requests, every))
             tables.append(startup(service, server.endpoint, workers, runs))

@@ -40,8 +40,11 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.launch import WorkerCommand
+from tests.support.processes import piped
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = ROOT / "tests" / "support" / "programs" / "block_in_allreduce.py"
@@ -64,15 +67,8 @@ class Started:
         on_line: Callable[[int, str], None],
         env: dict[str, str] | None = None,
     ) -> subprocess.Popen[str]:
-        process = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
+        process = piped(
+            args, {**os.environ, **(env or {})}, ROOT, subprocess.DEVNULL, new_session=True
         )
         index = len(self.processes)
         self.processes.append(process)

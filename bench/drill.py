@@ -37,9 +37,7 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -57,6 +55,7 @@ from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.launch import WorkerCommand
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout
 from coordinator.worker import EXIT_CODES
+from tests.support.processes import Proc
 
 console = Console(width=130)
 
@@ -83,42 +82,13 @@ class DrillConfig:
         return self.ttl + 2.0
 
 
-class Worker:
-    """A `coordinator worker` process; its JSON lines, stderr and exit time are collected."""
+class Worker(Proc):
+    """A `coordinator worker` process (the tests' `Proc`: its JSON lines, stderr and exit
+    time collected), and what the drill reads of it."""
 
     def __init__(self, index: int, args: list[str]) -> None:
+        super().__init__(args, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.index = index
-        self.process = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.started_at = time.monotonic()
-        self.events: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        self.ended_at: float | None = None
-        self._out = threading.Thread(target=self._read_stdout, daemon=True)
-        self._err = threading.Thread(target=self._read_stderr, daemon=True)
-        self._out.start()
-        self._err.start()
-
-    def _read_stdout(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                self.events.append(json.loads(line))
-            except ValueError:
-                continue
-        self.process.wait()
-        self.ended_at = time.monotonic()
-
-    def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.stderr.append(line.rstrip("\n"))
 
     @property
     def pid(self) -> int:
@@ -126,7 +96,7 @@ class Worker:
 
     @property
     def code(self) -> int | None:
-        return self.process.returncode if self.ended_at is not None else None
+        return self.process.returncode if self.exited_at is not None else None
 
     def passed(self) -> list[str]:
         """The phases it reported passing, in order."""
@@ -137,16 +107,6 @@ class Worker:
 
     def failed(self) -> dict[str, Any] | None:
         return next((e for e in list(self.events) if e.get("event") == "failed"), None)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-
-    def finish(self, timeout: float = 10) -> None:
-        """Wait for its output to be read to the end (it has exited or been killed)."""
-        self.process.wait(timeout)
-        self._out.join(timeout)
-        self._err.join(timeout)
 
     def describe(self) -> str:
         tail = " | ".join(self.stderr[-3:])
@@ -259,7 +219,7 @@ def run_trial(
         finally:
             for worker in workers:
                 if worker is not None:
-                    worker.kill()
+                    worker.kill(wait=False)
             for worker in workers:
                 if worker is not None:
                     worker.finish()
@@ -295,20 +255,20 @@ def _drive(
                 workers[i] = Worker(i, args)
         victim = workers[victim_index]
         if victim is not None and killed_at is None and trial.stage != "ended":
-            if victim.ended_at is not None:  # it finished (or failed) before its death came
+            if victim.exited_at is not None:  # it finished (or failed) before its death came
                 trial.stage = "ended"
             else:
                 if trigger_at is None and _reached(victim, p["target"], etcd, keys):
                     trigger_at = now
                 if trigger_at is not None and now >= trigger_at + p["kill_delay"]:
-                    victim.kill()
+                    victim.kill(wait=False)
                     killed_at, kill_wall = time.monotonic(), time.time()
                     trial.killed_after = killed_at - began
                     snapshot, arrived = _holders(etcd, keys)  # before its lease can end
         started = [w for w in workers if w is not None]
-        if len(started) == len(workers) and all(w.ended_at is not None for w in started):
+        if len(started) == len(workers) and all(w.exited_at is not None for w in started):
             break
-        hung = [w for w in started if w.ended_at is None and now > w.started_at + budget]
+        hung = [w for w in started if w.exited_at is None and now > w.started_at + budget]
         if hung:
             for w in hung:
                 trial.problems.append(f"hang: {w.describe()} still running after {budget:g}s")
@@ -388,14 +348,14 @@ def _judge(
         trial.stage = "joining" if victim.pid in arrived else "startup"
     trial.victim_rank = victim.rank() if passed else snapshot.get(victim.pid)
     for w in workers:
-        assert w is not None and w.ended_at is not None
+        assert w is not None and w.exited_at is not None
         if w is victim:
             continue
         ranked = w.pid in snapshot or any(
             e.get("event") == "phase" and e["t"] <= kill_wall for e in w.events
         )
         error, message = _failure(w)
-        survivor = Survivor(w.index, ranked, w.code, w.ended_at - killed_at, error, message)
+        survivor = Survivor(w.index, ranked, w.code, w.exited_at - killed_at, error, message)
         trial.survivors.append(survivor)
         _judge_survivor(trial, w, survivor, config)
     codes = [s.code for s in trial.survivors]
@@ -445,7 +405,7 @@ def _check_keys(
     config: DrillConfig,
 ) -> None:
     """No rendezvous key may outlive the last member's end (or the kill) by more than a TTL."""
-    ends = [w.ended_at for w in workers if w is not None and w.ended_at is not None]
+    ends = [w.exited_at for w in workers if w is not None and w.exited_at is not None]
     last = max(ends, default=time.monotonic())
     deadline = last + config.ttl + 1.0  # etcd expires leases in rounds of up to 0.5 s
     while True:

@@ -43,15 +43,12 @@ small against the ~600 steps of an epoch.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -67,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.launch import WorkerCommand
+from tests.support.processes import Proc
 
 console = Console(width=150)
 REPO = Path(__file__).resolve().parent.parent
@@ -126,55 +124,31 @@ def run_one(
         params={k: str(v) for k, v in params.items()},
     ).process_argv()  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    events: queue.Queue[dict[str, Any]] = queue.Queue()
-    procs = [
-        subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=REPO,
-        )
-        for _ in range(world_size)
-    ]
-    errors: list[list[str]] = [[] for _ in procs]
-
-    def read(proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            with contextlib.suppress(ValueError):
-                events.put(json.loads(line))
-
-    def read_err(proc: subprocess.Popen[str], sink: list[str]) -> None:
-        assert proc.stderr is not None
-        sink.extend(line.rstrip("\n") for line in proc.stderr)
-
-    threads = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
-    threads += [
-        threading.Thread(target=read_err, args=(p, e), daemon=True)
-        for p, e in zip(procs, errors, strict=True)
-    ]
-    for thread in threads:
-        thread.start()
+    procs = [Proc(args, env=env, cwd=REPO) for _ in range(world_size)]
+    handled = [0] * len(procs)  # each member's events handled so far
     clocks: dict[int, tuple[int, int]] = {}
     accuracy = 0.0
     loads: list[float] = []
     sampled = time.monotonic()
     try:
-        while any(p.poll() is None for p in procs) or not events.empty():
-            try:
-                event = events.get(timeout=0.2)
-            except queue.Empty:
-                event = {}
+        while True:
+            fresh: list[dict[str, Any]] = []
+            for index, proc in enumerate(procs):
+                new = proc.events[handled[index] :]
+                handled[index] += len(new)
+                fresh += new
+            if not fresh:
+                if all(proc.exited_at is not None for proc in procs):  # output read to the end
+                    break
+                time.sleep(0.2)
             if time.monotonic() - sampled >= 2.0:
                 sampled = time.monotonic()
                 loads.append(os.getloadavg()[0])
-            if event.get("event") == "step":
-                clocks[event["rank"]] = (event["clock"], event["target"])
-            elif event.get("event") == "metrics":
-                accuracy = event["accuracy"]
+            for event in fresh:
+                if event.get("event") == "step":
+                    clocks[event["rank"]] = (event["clock"], event["target"])
+                elif event.get("event") == "metrics":
+                    accuracy = event["accuracy"]
             if clocks:
                 done = sum(c for c, _ in clocks.values())
                 total = sum(t for _, t in clocks.values())
@@ -186,19 +160,18 @@ def run_one(
                 )
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
+            if proc.process.poll() is None:
+                proc.process.terminate()
         for proc in procs:
             try:
-                proc.wait(10)
+                proc.process.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
-    for thread in threads:
-        thread.join(5)
-    for proc, err in zip(procs, errors, strict=True):
-        if proc.returncode != 0:
-            raise RuntimeError(f"{run}: a member exited {proc.returncode}: " + "\n".join(err[-30:]))
+    for proc in procs:
+        proc.finish(5)
+        if proc.process.returncode != 0:
+            code = proc.process.returncode
+            raise RuntimeError(f"{run}: a member exited {code}: " + "\n".join(proc.stderr[-30:]))
     summary = json.loads((artifacts / job / "summary.json").read_text())
     summary["load_average"] = round(sum(loads) / len(loads), 2) if loads else None
     return summary

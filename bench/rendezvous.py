@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import secrets
 import statistics
 import sys
 import threading
@@ -53,11 +52,13 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # for tests.support
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.rendezvous.member import Member
-from coordinator.rendezvous.roster import MAX_WORLD_SIZE, MemberAddress, Roster
+from coordinator.rendezvous.roster import MAX_WORLD_SIZE
+from tests.support.rosters import synthetic_roster
 
 console = Console(width=160)
 
@@ -232,25 +233,6 @@ def measure_ours(
         "etcd_rate": requests / max(ended - started, 1e-9),
         "roster_bytes": leader.roster_bytes,
     }
-
-
-def synthetic_roster(n: int, hosts: int = 64) -> Roster:
-    """A roster like a real one: members spread over `hosts` hosts, default member ids."""
-    members = []
-    for rank in range(n):
-        host = rank % hosts
-        pid = 10_000 + rank * 7 % 50_000
-        members.append(
-            MemberAddress(
-                rank=rank,
-                member_id=f"node-{host:03d}-{pid}-{secrets.token_hex(4)}",
-                host=f"10.0.{host // 250}.{host % 250 + 1}",
-                port=30_000 + secrets.randbelow(30_000),
-                hostname=f"node-{host:03d}",
-                pid=pid,
-            )
-        )
-    return Roster(job_id="bench", round=1, world_size=n, members=members, secret="00" * 32)
 
 
 def roster_table(sizes: list[int]) -> Table:

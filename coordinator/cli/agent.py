@@ -11,23 +11,21 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.options import (
-    EtcdCaOption,
-    EtcdCertOption,
-    EtcdKeyOption,
+from coordinator.cli.etcd_options import (
+    DEFAULT_ETCD,
     EtcdOption,
-    EtcdPasswordFileOption,
-    EtcdUserOption,
-    NamespaceOption,
-    console,
-    etcd_security,
-    parse_labels,
+    checked_security,
+    connect,
+    with_etcd_security,
 )
-from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
+from coordinator.cli.options import NamespaceOption, console, parse_labels
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.keys import assignments_path
 
 
+@with_etcd_security
 def agent(
+    etcd_settings: EtcdSecurity,  # the --etcd-* options, from `with_etcd_security`
     slots: Annotated[int, typer.Option(min=1, help="members this host runs at once")] = 2,
     agent_id: Annotated[
         str | None, typer.Option("--id", help="this agent's id, unique in the namespace [host]")
@@ -63,15 +61,8 @@ def agent(
     drain_seconds: Annotated[
         float, typer.Option(min=0, help="on SIGTERM, how long members may finish before SIGTERM")
     ] = 30.0,
-    etcd_ca: EtcdCaOption = None,
-    etcd_cert: EtcdCertOption = None,
-    etcd_key: EtcdKeyOption = None,
-    etcd_user: EtcdUserOption = None,
-    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
-    from coordinator.etcd.client import Etcd
-    from coordinator.etcd.errors import EtcdError
     from coordinator.etcd.names import check_name
     from coordinator.launch import parse_gpus
     from coordinator.service.agent import Agent, AgentOptions
@@ -86,9 +77,9 @@ def agent(
         agent_id = check_name("agent id", agent_id or socket.gethostname())
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--id") from None
-    endpoints = etcd or "127.0.0.1:2379"
+    endpoints = etcd or DEFAULT_ETCD
     # Exported into the environment too: the members this agent starts inherit it.
-    security = etcd_security(endpoints, etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
+    security = checked_security(endpoints, etcd_settings)
     options = AgentOptions(
         agent_id=agent_id,
         slots=slots,
@@ -101,14 +92,8 @@ def agent(
         drain_seconds=drain_seconds,
         gpus=gpu_ids,
     )
-    try:
-        # Its etcd user (`coordinator credentials agent`) may touch only its own keys.
-        client = Etcd(
-            endpoints, namespace=namespace, security=security, probe=assignments_path(agent_id)
-        )
-    except EtcdError as exc:
-        console.print(f"[red]cannot reach etcd: {exc}[/red]")
-        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
+    # Its etcd user (`coordinator credentials agent`) may touch only its own keys.
+    client = connect(endpoints, namespace, security, probe=assignments_path(agent_id))
     try:
         running = Agent(client, options)
     except AgentTaken as exc:

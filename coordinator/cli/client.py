@@ -29,7 +29,7 @@ from rich.table import Table
 
 from coordinator.cli.members import member_kind
 from coordinator.cli.options import (
-    MemberKind,
+    KindArgument,
     ParamOption,
     parse_env,
     parse_labels,
@@ -139,10 +139,7 @@ def _detail(response: httpx.Response) -> str:
 
 def submit(
     ctx: typer.Context,
-    kind: Annotated[
-        MemberKind | None,  # type: ignore[valid-type]
-        typer.Argument(help="job kind [command when a program follows --]", show_default=False),
-    ] = None,
+    kind: KindArgument = None,
     workers: Annotated[int, typer.Option(min=1, help="number of members")] = 2,
     param: ParamOption = None,
     job_id: Annotated[str | None, typer.Option("--id", help="job id [generated]")] = None,

@@ -16,19 +16,17 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.options import (
-    EtcdCaOption,
-    EtcdCertOption,
-    EtcdKeyOption,
+from coordinator.cli.etcd_options import (
+    DEFAULT_ETCD,
     EtcdOption,
-    EtcdPasswordFileOption,
-    EtcdUserOption,
-    NamespaceOption,
-    console,
-    etcd_security,
+    checked_security,
+    connect,
+    with_etcd_security,
 )
+from coordinator.cli.options import NamespaceOption, console
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.users import (
     CannotManageUsers,
     provision_agent,
@@ -58,7 +56,7 @@ def _root(
     data_dir: Path | None,
     etcd: str | None,
     namespace: str,
-    settings: tuple[str | None, str | None, str | None, str | None, str | None],
+    settings: EtcdSecurity,
 ) -> Iterator[Etcd]:
     """A client as etcd's root, for the block's changes to users: exit 2 naming a bad
     option or agent id, 3 when etcd refuses or is away."""
@@ -72,13 +70,9 @@ def _root(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
     else:
-        endpoint = etcd or "127.0.0.1:2379"
-        security = etcd_security(endpoint, *settings)
-    try:
-        client = Etcd(endpoint, namespace=namespace, security=security)
-    except EtcdError as exc:
-        console.print(f"[red]cannot reach etcd: {exc}[/red]")
-        raise typer.Exit(EXIT_ETCD_UNAVAILABLE) from None
+        endpoint = etcd or DEFAULT_ETCD
+        security = checked_security(endpoint, settings)
+    client = connect(endpoint, namespace, security)
     try:
         yield client
     except ValueError as exc:
@@ -93,24 +87,20 @@ def _root(
         client.close()
 
 
+@with_etcd_security
 def agent(
+    etcd_settings: EtcdSecurity,  # the --etcd-* options, from `with_etcd_security`
     agent_id: AgentId,
     out: Annotated[Path, typer.Option(help="file to write the password to (made 0600)")],
     data_dir: DataDirOption = None,
     etcd: EtcdOption = None,
     namespace: NamespaceOption = "/coordinator",
-    etcd_ca: EtcdCaOption = None,
-    etcd_cert: EtcdCertOption = None,
-    etcd_key: EtcdKeyOption = None,
-    etcd_user: EtcdUserOption = None,
-    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Make (or renew the password of) an agent's etcd user; prints the user's name.
 
     Then: `coordinator agent --id ID --etcd-user USER --etcd-password-file FILE`.
     """
-    settings = (etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
-    with _root(data_dir, etcd, namespace, settings) as client:
+    with _root(data_dir, etcd, namespace, etcd_settings) as client:
         if not client.auth_enabled():
             console.print("[yellow]etcd has auth off: the user exists, unchecked[/yellow]")
         credentials = provision_agent(client, agent_id)
@@ -123,20 +113,16 @@ def agent(
     print(credentials.user, flush=True)
 
 
+@with_etcd_security
 def revoke(
+    etcd_settings: EtcdSecurity,  # the --etcd-* options, from `with_etcd_security`
     agent_id: AgentId,
     data_dir: DataDirOption = None,
     etcd: EtcdOption = None,
     namespace: NamespaceOption = "/coordinator",
-    etcd_ca: EtcdCaOption = None,
-    etcd_cert: EtcdCertOption = None,
-    etcd_key: EtcdKeyOption = None,
-    etcd_user: EtcdUserOption = None,
-    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Delete an agent's etcd user and role (it can no longer connect; none is fine)."""
-    settings = (etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file)
-    with _root(data_dir, etcd, namespace, settings) as client:
+    with _root(data_dir, etcd, namespace, etcd_settings) as client:
         revoke_agent(client, agent_id)
     console.print(f"agent {agent_id}: etcd user removed")
 

@@ -1,4 +1,5 @@
-"""Shared pieces of the commands: the stderr console, option types and --param parsing."""
+"""Shared pieces of the commands: the stderr console and its progress bars, option types
+and --param parsing (the etcd options are in `etcd_options`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from typing import Annotated
 import typer
 import typer.core
 from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
-from coordinator.etcd.connection import parse_endpoints
-from coordinator.etcd.security import ENV, EtcdSecurity, SecurityError
 from coordinator.jobs import JOB_KINDS, MEMBER_KINDS
 from coordinator.jobs.params import parse_param_list, parse_params
 
@@ -42,14 +42,19 @@ def program_after_dashes(ctx: typer.Context) -> list[str] | None:
     return None if program is None else list(program)
 
 
-EtcdOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd",
-        envvar="COORDINATOR_ETCD",
-        help="etcd endpoints HOST:PORT[,HOST:PORT...]",
-        show_default=False,
-    ),
+def progress_bar(
+    *counts: ProgressColumn, description: str = "{task.description}", transient: bool = False
+) -> Progress:
+    """A bar on the stderr console: the task's description, the bar, `counts`, the time."""
+    return Progress(
+        TextColumn(description), BarColumn(), *counts, TimeElapsedColumn(),
+        console=console, transient=transient,
+    )  # fmt: skip
+
+
+KindArgument = Annotated[
+    MemberKind | None,  # type: ignore[valid-type]
+    typer.Argument(help="job kind [command when a program follows --]", show_default=False),
 ]
 NamespaceOption = Annotated[
     str, typer.Option(envvar="COORDINATOR_NAMESPACE", help="key prefix of this deployment")
@@ -84,75 +89,6 @@ ConnectTimeoutOption = Annotated[
         help="give up on reaching etcd after this many seconds",
     ),
 ]
-
-EtcdCaOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd-ca",
-        envvar=ENV["ca"],
-        help="CA bundle (PEM) that signed etcd's certificate, for https:// endpoints "
-        "[the system's roots]",
-        show_default=False,
-    ),
-]
-EtcdCertOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd-cert",
-        envvar=ENV["cert"],
-        help="client certificate (PEM), when etcd runs with --client-cert-auth",
-        show_default=False,
-    ),
-]
-EtcdKeyOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd-key", envvar=ENV["key"], help="the client certificate's key", show_default=False
-    ),
-]
-EtcdUserOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd-user",
-        envvar=ENV["user"],
-        help="etcd user, when etcd has auth enabled",
-        show_default=False,
-    ),
-]
-EtcdPasswordFileOption = Annotated[
-    str | None,
-    typer.Option(
-        "--etcd-password-file",
-        envvar=ENV["password_file"],
-        help="file holding the etcd user's password (never given on the command line)",
-        show_default=False,
-    ),
-]
-
-
-def etcd_security(
-    endpoints: str,
-    ca: str | None,
-    cert: str | None,
-    key: str | None,
-    user: str | None,
-    password_file: str | None,
-) -> EtcdSecurity:
-    """The --etcd-* settings, checked (a bad one is a usage error naming it) and
-    exported into the environment, where the members this command starts find them."""
-    security = EtcdSecurity(ca, cert, key, user, password_file)
-    try:
-        parsed = parse_endpoints(endpoints)
-    except ValueError:  # bad endpoints: the command names them itself
-        parsed = []
-    try:
-        security.check()
-        if parsed:
-            security.check_endpoints(parsed)
-    except SecurityError as exc:
-        raise typer.BadParameter(str(exc), param_hint=exc.option) from None
-    security.export()
-    return security
 
 
 def parse_param_option(param: list[str] | None) -> dict[str, str]:

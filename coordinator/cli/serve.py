@@ -8,17 +8,14 @@ from typing import Annotated
 
 import typer
 
-from coordinator.cli.options import (
-    EtcdCaOption,
-    EtcdCertOption,
-    EtcdKeyOption,
+from coordinator.cli.etcd_options import (
+    DEFAULT_ETCD,
     EtcdOption,
-    EtcdPasswordFileOption,
-    EtcdUserOption,
-    NamespaceOption,
-    console,
-    etcd_security,
+    checked_security,
+    with_etcd_security,
 )
+from coordinator.cli.options import NamespaceOption, console
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 from coordinator.launch import parse_gpus
 from coordinator.rendezvous.address import is_loopback
@@ -26,7 +23,9 @@ from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
 from coordinator.service.model import Launcher
 
 
+@with_etcd_security
 def serve(
+    etcd_settings: EtcdSecurity,  # the --etcd-* options, from `with_etcd_security`
     host: Annotated[str, typer.Option(envvar="COORDINATOR_HOST", help="address to listen on")] = (
         "127.0.0.1"
     ),
@@ -148,11 +147,6 @@ def serve(
     k8s_etcd: Annotated[
         str | None, typer.Option(help="etcd endpoints HOST:PORT[,...] as pods reach them [--etcd]")
     ] = None,
-    etcd_ca: EtcdCaOption = None,
-    etcd_cert: EtcdCertOption = None,
-    etcd_key: EtcdKeyOption = None,
-    etcd_user: EtcdUserOption = None,
-    etcd_password_file: EtcdPasswordFileOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
     from coordinator.etcd.errors import EtcdError
@@ -164,9 +158,7 @@ def serve(
 
     # Exported into the environment (TLS settings need --etcd). Without --etcd, the
     # service is root of its own etcd, which has auth on; members get users of their own.
-    security = etcd_security(
-        etcd or "127.0.0.1:2379", etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file
-    )
+    security = checked_security(etcd or DEFAULT_ETCD, etcd_settings)
     tokens = None
     if token_file is not None:
         try:
@@ -196,7 +188,7 @@ def serve(
             raise typer.BadParameter(str(exc), param_hint="--docker-memory") from None
 
         try:  # without --etcd, the embedded etcd: on loopback
-            container_endpoints(etcd or "127.0.0.1:2379", docker_etcd)
+            container_endpoints(etcd or DEFAULT_ETCD, docker_etcd)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-etcd") from None
         from coordinator.service.images import ImagePolicy, check_reference

@@ -7,10 +7,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TextColumn
 from rich.table import Table
 
-from coordinator.cli.options import console
+from coordinator.cli.options import console, progress_bar
 
 
 def simulate_barriers(
@@ -148,14 +148,8 @@ def simulate_barriers(
         ) from None
     directory.mkdir(parents=True, exist_ok=True)
     results = []
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
+    simulated = TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s")
+    with progress_bar(simulated, transient=True) as bar:
         for spec in specs:
             task = bar.add_task(str(spec), total=seconds or 1)
             results.append(

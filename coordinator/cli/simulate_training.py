@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from coordinator.cli.options import console
+from coordinator.cli.options import console, progress_bar
 
 MODELS = ("mnist",)
 MNIST_EXTRA = "pip install 'etcd-coordinator[mnist]'"
@@ -143,15 +143,8 @@ def run(options: Options) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     runs = []
     plan = training.runs_for(specs, seeds)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("runs (method x seed)"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
+    runs_done = (MofNCompleteColumn(), TextColumn("runs (method x seed)"))
+    with progress_bar(*runs_done, transient=True) as bar:
         task = bar.add_task("training", total=len(plan))
         for spec, aggregate, seed in plan:
             name = label(spec, aggregate, timing)

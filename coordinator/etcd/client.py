@@ -13,8 +13,9 @@ in modules of their own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -42,7 +43,7 @@ from coordinator.etcd.txn import (
     prefix_end,
     to_bytes,
 )
-from coordinator.etcd.watch import Watch, WatchEvent
+from coordinator.etcd.watch import Watch
 
 
 class Etcd(Connection):
@@ -406,16 +407,7 @@ class Etcd(Connection):
 
     # -- watches ----------------------------------------------------------
 
-    def watch(
-        self,
-        key: str,
-        callback: Callable[[list[WatchEvent]], None],
-        start_revision: int,
-        prefix: bool = False,
-        only_deletes: bool = False,
-        prev_kv: bool = True,
-        known_keys: Iterable[str] | None = None,
-    ) -> Watch:
-        """Deliver changes of `key` (or every key under it) from `start_revision` on
-        (`known_keys`: see `Watch`)."""
-        return Watch(self, key, callback, start_revision, prefix, only_deletes, prev_kv, known_keys)
+    #: Deliver changes of `key` (or every key under it) from `start_revision` on:
+    #: `watch(key, callback, start_revision, ...)` is `Watch(self, key, callback,
+    #: start_revision, ...)`, whose parameters and docstring say how.
+    watch = functools.partialmethod(Watch)

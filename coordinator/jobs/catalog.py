@@ -44,13 +44,18 @@ def barrier_params(method_default: str | None) -> tuple[Param, ...]:
         Param(name="staleness", type="integer", default="0", description="SSP/pSSP s, DSSP S_L"),
         Param(name="staleness_upper", type="integer", default="0", description="DSSP S_U"),
         Param(name="sample", type="integer", default="0", description="pBSP/pSSP beta"),
-        Param(
-            name="on_loss",
-            type="choice",
-            choices=("fail", "continue"),
-            default="fail",
-            description="what the others do when a member is lost",
-        ),
+        _on_loss("what the others do when a member is lost"),
+    )
+
+
+def _on_loss(description: str) -> Param:
+    """What the others do when a member is lost: the barrier kinds' and `command`'s."""
+    return Param(
+        name="on_loss",
+        type="choice",
+        choices=("fail", "continue"),
+        default="fail",
+        description=description,
     )
 
 
@@ -237,11 +242,5 @@ COMMAND = (
         type="path",
         description="artifacts root; the program gets <root>/<job> as $COORDINATOR_ARTIFACTS",
     ),
-    Param(
-        name="on_loss",
-        type="choice",
-        choices=("fail", "continue"),
-        default="fail",
-        description="continue: a lost member leaves the job and the other programs run on",
-    ),
+    _on_loss("continue: a lost member leaves the job and the other programs run on"),
 )

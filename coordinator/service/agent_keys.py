@@ -45,11 +45,10 @@ from pydantic import (
 
 from coordinator.etcd.users import Credentials, job_user
 from coordinator.jobs import COMMAND
-from coordinator.jobs.environment import check_program_env
 from coordinator.keys import PLACEMENT_TOKEN, placements_of
 from coordinator.launch import WorkerCommand
 from coordinator.launch.command import check_gpus
-from coordinator.service.model import ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
+from coordinator.service.model import CHECK_PROGRAM_ENV, ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
 
 RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + r"-[A-Za-z0-9]{1,32}$"
 PLACEMENT_PATTERN = RUN_ID_PATTERN.removesuffix("$") + r"-a[0-9]{1,4}-" + PLACEMENT_TOKEN + "$"
@@ -122,7 +121,7 @@ class Assignment(BaseModel):
         list[Annotated[str, Field(min_length=1, max_length=MAX_ARG_CHARS)]] | None,
         Field(min_length=1, max_length=MAX_ARGS),
     ] = None
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Annotated[dict[str, str], CHECK_PROGRAM_ENV] = Field(default_factory=dict)
     working_dir: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     gpus: tuple[int, ...] = ()  # the member's GPU ids on its agent
     # The placement it belongs to, when it was written ahead of its commit: it runs only
@@ -138,11 +137,6 @@ class Assignment(BaseModel):
         if declared is not None and not set(gpus) <= set(declared):
             raise ValueError(f"GPUs {sorted(set(gpus) - set(declared))} are not this agent's")
         return gpus
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_program_env(value)
 
     @field_validator("working_dir")
     @classmethod

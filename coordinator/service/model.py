@@ -11,7 +11,14 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.keys import member_name
 
@@ -19,6 +26,18 @@ ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a DNS label: also a cont
 MAX_ARGS = 256  # a command's program and arguments
 MAX_ARG_CHARS = 4096
 LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,62})$")
+
+
+def _program_env(value: dict[str, str]) -> dict[str, str]:
+    from coordinator.jobs.environment import check_program_env  # not at import: it is slow
+
+    return check_program_env(value)
+
+
+#: The check of a `command` job's variables for its program, as submitted and as an agent
+#: reads them: valid names, bounded, none the member sets itself (`check_program_env`).
+#: Last in a field's `Annotated`, after its constraints, as a field validator would run.
+CHECK_PROGRAM_ENV = AfterValidator(_program_env)
 
 
 class JobState(StrEnum):
@@ -77,7 +96,9 @@ class JobSpec(BaseModel):
         Field(min_length=1, max_length=MAX_ARGS, description="command: PROGRAM ARGS..."),
     ] = None
     env: Annotated[
-        dict[str, str], Field(max_length=128, description="command: the program's variables")
+        dict[str, str],
+        Field(max_length=128, description="command: the program's variables"),
+        CHECK_PROGRAM_ENV,
     ] = Field(default_factory=dict)
     working_dir: Annotated[
         str | None,
@@ -92,13 +113,6 @@ class JobSpec(BaseModel):
             "[the service's --docker-image]; one the service allows",
         ),
     ] = None
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        from coordinator.jobs.environment import check_program_env
-
-        return check_program_env(value)
 
     @field_validator("image")
     @classmethod

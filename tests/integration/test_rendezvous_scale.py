@@ -4,7 +4,6 @@ as untrusted input, the largest N enforced, and requests per member flat in N.""
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 import zlib
 from typing import Any
@@ -21,30 +20,18 @@ from coordinator.rendezvous.roster import (
     MAX_WORLD_SIZE,
     PACKED_MAGIC,
     ROSTER_LIMIT_BYTES,
-    MemberAddress,
     Roster,
     RosterFormatError,
 )
 from coordinator.worker import EXIT_USAGE, WorkerOptions, run_worker
+from tests.support.rosters import synthetic_roster
 
 SECRET = "ab" * 32
 
 
-def roster_of(n: int, hosts: int = 64) -> Roster:
-    """A roster as real members make it: default member ids (host-pid-random), spread
-    over `hosts` hosts, ports the kernel chose."""
-    members = [
-        MemberAddress(
-            rank=rank,
-            member_id=f"worker-{rank % hosts:03d}-{20_000 + rank}-{secrets.token_hex(4)}",
-            host=f"10.1.{rank % hosts // 200}.{rank % hosts % 200 + 1}",
-            port=32_768 + secrets.randbelow(28_000),
-            hostname=f"worker-{rank % hosts:03d}",
-            pid=20_000 + rank,
-        )
-        for rank in range(n)
-    ]
-    return Roster(job_id="big", round=7, world_size=n, members=members, secret=SECRET)
+def roster_of(n: int) -> Roster:
+    """A roster as real members make it, with this module's secret."""
+    return synthetic_roster(n, secret=SECRET)
 
 
 def packed(document: dict[str, Any]) -> bytes:

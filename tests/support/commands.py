@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
-from tests.support.processes import worker_args
+from tests.support.processes import piped, worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = Path(__file__).with_name("programs")  # the programs the members run
@@ -26,15 +25,11 @@ class Run:
     """A `coordinator ...` process in a session of its own, its output lines collected."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen(
+        self.process = piped(
             [sys.executable, "-m", "coordinator", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
+            {**os.environ, **(env or {})},
+            ROOT,
+            new_session=True,
         )
         self.stdout: list[str] = []
         self.stderr: list[str] = []

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +20,41 @@ import psutil
 MEMBER_PROC = Path(__file__).with_name("member_proc.py")
 
 
+def piped(
+    args: list[str],
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stderr: int = subprocess.PIPE,
+    new_session: bool = False,
+) -> subprocess.Popen[str]:
+    """`args` started with stdin closed (a child never waits on a terminal) and its
+    stdout, and stderr unless told otherwise, piped as text; `new_session`: in a session
+    of its own, so that its process group can be killed whole."""
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True,
+        env=env, cwd=cwd, start_new_session=new_session,
+    )  # fmt: skip
+
+
 class Proc:
     """A child process whose stdout JSON lines and stderr are collected as they come."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(
+        self, args: list[str], env: Mapping[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.args = args
-        self.process = subprocess.Popen(
-            args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
+        self.process = piped(args, env, cwd)
+        self.started_at = time.monotonic()
         self.events: list[dict[str, Any]] = []
         self.stderr: list[str] = []
         self.exited_at: float | None = None
         self._changed = threading.Condition()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
 
     def _read_stdout(self) -> None:
         assert self.process.stdout is not None
@@ -105,10 +122,18 @@ class Proc:
                 self._changed.wait_for(lambda n=seen: len(self.stderr) > n, timeout=0.5)
             return self.stderr[start:]
 
-    def kill(self) -> None:
+    def kill(self, wait: bool = True) -> None:
+        """SIGKILL it, if it runs; `wait=False`: without waiting for it to be gone."""
         if self.process.poll() is None:
             self.process.kill()
-            self.process.wait()
+            if wait:
+                self.process.wait()
+
+    def finish(self, timeout: float = 10) -> None:
+        """Wait for its output to be read to the end (it has exited or been killed)."""
+        self.process.wait(timeout)
+        for reader in self._readers:
+            reader.join(timeout)
 
 
 def worker_args(

@@ -1,5 +1,5 @@
-"""`coordinator serve` as a process of its own for the tests and bench scripts: start it,
-talk to it, follow a job, and kill every member it started."""
+"""`coordinator serve` as a process of its own for the tests and bench scripts (the one
+helper of both): start it, talk to it, follow a job, and kill every member it started."""
 
 from __future__ import annotations
 
@@ -33,19 +33,29 @@ class ServiceProc:
     """`coordinator serve` as a process of its own, and an HTTP client for it; the client
     sends the token the service made (`<data>/api-token`) when it made one."""
 
-    def __init__(self, endpoint: str, namespace: str, data: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        namespace: str,
+        data: Path,
+        *extra: str,
+        max_workers: int = 4,
+        member_ttl: int = 2,
+    ) -> None:
         self.port = free_port()
         self.data = data
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
             sys.executable, "-m", "coordinator", "serve", "--port", str(self.port),
-            "--namespace", namespace, "--data-dir", str(data),
-            "--max-workers", "4", "--grace", "3", "--member-ttl", "2", *extra,
+            "--namespace", namespace, "--data-dir", str(data), "--max-workers", str(max_workers),
+            "--grace", "3", "--member-ttl", str(member_ttl), *extra,
         ]  # fmt: skip
         if endpoint:  # else the service's own etcd, in `data`
             args += ["--etcd", endpoint]
         self.log = open(data.with_suffix(".log"), "ab")  # noqa: SIM115 (closed in stop)
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
     def ready(self) -> ServiceProc:
@@ -81,6 +91,12 @@ class ServiceProc:
 
     def output(self) -> str:
         return self.data.with_suffix(".log").read_text(errors="replace")[-3000:]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """The job's record; an HTTP error for a refusal (no such job, no token)."""
+        response = self.http.get(f"/v1/jobs/{job_id}")
+        response.raise_for_status()
+        return dict(response.json())
 
     def kill(self) -> None:
         if self.process.poll() is None:

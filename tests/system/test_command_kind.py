@@ -343,7 +343,8 @@ def test_a_signal_to_a_member_reaches_its_program_and_it_leaves_cleanly(
 def test_a_program_after_dashes_means_kind_command_and_the_cause_sets_the_run_code() -> None:
     import typer
 
-    from coordinator.cli.members import member_kind, run_exit_code
+    from coordinator.cli.members import member_kind
+    from coordinator.cli.run_display import run_exit_code
 
     assert member_kind(None, ["python", "x.py"], default=None) == "command"
     assert member_kind("command", [], default=None) == "command"

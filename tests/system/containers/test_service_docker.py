@@ -11,17 +11,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import socket
 import stat
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 from docker.models.containers import Container
 
@@ -36,7 +31,6 @@ from coordinator.etcd.users import (
     write_password_file,
 )
 from coordinator.launch import WorkerCommand
-from coordinator.service.auth import GENERATED_TOKEN_FILE, Tokens
 from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers.docker import MANAGED_LABEL, RUN_LABEL, DockerLauncher
 from coordinator.service.launchers.docker_container import MEMBER_PASSWORD_FILE, MEMBER_UID
@@ -50,6 +44,7 @@ from tests.support.containers import (
     assert_least_privilege,
     assert_writes_only_where_allowed,
 )
+from tests.support.service import ServiceProc, wait_state
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.containers
@@ -118,59 +113,6 @@ def cluster(podman_service: PodmanService, images: Images, tmp_path: Path) -> It
         cluster.close()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServiceProc:
-    """`coordinator serve` as a process of its own, and an HTTP client for it."""
-
-    def __init__(self, data: Path, args: list[str]) -> None:
-        self.port = free_port()
-        self.log_path = data.with_suffix(".log")
-        self.log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "coordinator", "serve", "--port", str(self.port),
-             "--data-dir", str(data), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
-        self.token_file = data / GENERATED_TOKEN_FILE  # serve makes it (auth is never off)
-
-        def answers() -> bool:
-            if self.process.poll() is not None:
-                raise AssertionError(f"serve exited {self.process.returncode}: {self.output()}")
-            try:
-                return self.http.get("/healthz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until(answers, 60, "the service to answer")
-        token = Tokens.load(self.token_file).strongest()
-        self.http.headers["Authorization"] = f"Bearer {token}"
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        response = self.http.get(f"/v1/jobs/{job_id}")
-        response.raise_for_status()
-        return response.json()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.http.close()
-        self.log.close()
-
-
 def secret_mount(container: Container) -> Path:
     """The host file mounted as the member's etcd password: read-only, 0400, uid 10001's."""
     mounts = {m["Destination"]: m for m in container.attrs["Mounts"]}
@@ -211,16 +153,13 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
     image = images.worker  # built here if need be: not part of the job's time
     started = time.monotonic()
     service = ServiceProc(
-        tmp_path / "data",
-        [
-            "--etcd", cluster.host_endpoint, "--namespace", f"/{cluster.prefix}",
-            "--max-workers", "4", "--grace", "3", "--member-ttl", "5",
-            "--docker-image", image, "--docker-host", podman_service.url,
-            "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
-            "--docker-memory", "768m", "--docker-pids-limit", "256",
-            "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
-        ],
-    )  # fmt: skip
+        cluster.host_endpoint, f"/{cluster.prefix}", tmp_path / "data",
+        "--docker-image", image, "--docker-host", podman_service.url,
+        "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+        "--docker-memory", "768m", "--docker-pids-limit", "256",
+        "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
+        member_ttl=5,
+    ).ready()  # fmt: skip
     try:
         job = cluster.job_id("xgb")
         spec = {
@@ -229,11 +168,7 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
         }  # fmt: skip
         response = service.http.post("/v1/jobs", json=spec)
         assert response.status_code == 201, response.text
-        record = wait_until(
-            lambda: (r := service.job(job))["state"] in TERMINAL and r,
-            300,
-            "the docker job to end",
-        )
+        record = wait_state(service, job, TERMINAL, 300)
         assert record["state"] == "SUCCEEDED", (record, service.output())
         run_id = f"{job}-{record['uid'][:8]}"
 
@@ -390,16 +325,13 @@ def test_a_command_job_runs_in_containers_of_an_allowed_image_and_others_are_ref
     repository = image.rpartition(":")[0]
     started = time.monotonic()
     service = ServiceProc(
-        tmp_path / "data",
-        [
-            "--etcd", cluster.host_endpoint, "--namespace", f"/{cluster.prefix}",
-            "--max-workers", "4", "--grace", "3", "--member-ttl", "5",
-            "--docker-image", image, "--docker-host", podman_service.url,
-            "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
-            "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
-            "--allowed-image", f"{repository}:*",
-        ],
-    )  # fmt: skip
+        cluster.host_endpoint, f"/{cluster.prefix}", tmp_path / "data",
+        "--docker-image", image, "--docker-host", podman_service.url,
+        "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+        "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
+        "--allowed-image", f"{repository}:*",
+        member_ttl=5,
+    ).ready()  # fmt: skip
     try:
         refused = service.http.post(
             "/v1/jobs",
@@ -421,9 +353,7 @@ def test_a_command_job_runs_in_containers_of_an_allowed_image_and_others_are_ref
         }  # fmt: skip
         response = service.http.post("/v1/jobs", json=spec)
         assert response.status_code == 201, response.text
-        record = wait_until(
-            lambda: (r := service.job(job))["state"] in TERMINAL and r, 300, "the job to end"
-        )
+        record = wait_state(service, job, TERMINAL, 300)
         assert record["state"] == "SUCCEEDED", (record, service.output())
         run_id = f"{job}-{record['uid'][:8]}"
         containers = cluster.members(run_id)
