@@ -41,8 +41,8 @@ from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.keys import Keys, member_name
 from coordinator.service.agent_commits import PlacementCommits
-from coordinator.service.agent_keys import Assignment
 from coordinator.service.agent_output import output_server
+from coordinator.service.agent_protocol import Assignment
 from coordinator.service.agent_records import (
     member_report,
     refusal_reason,

@@ -41,7 +41,7 @@ from coordinator.etcd.users import (
     provision_job,
     write_password_file,
 )
-from coordinator.service.agent_keys import Assignment
+from coordinator.service.agent_protocol import Assignment
 from tests.support.agents import AgentProc, registered
 from tests.support.service import ServiceProc, kill_members, wait_state
 from tests.support.wait import wait_until

@@ -2,7 +2,7 @@
 
 `reserve` places all of an attempt's members on live agents with free slots
 that carry the job's labels (`placement.place`), as one assignment key per
-member bound to its agent's lease (keys: `coordinator.keys`; values: `agent_keys`).
+member bound to its agent's lease (keys: `coordinator.keys`; values: `agent_protocol`).
 The reconciler writes them in the same transaction that moves the job to
 STARTING, guarded by each chosen agent's registration (the same agent, still
 alive) and by its assignments (nobody placed members on it since they were read): so two
@@ -17,7 +17,7 @@ do. The member's state is its agent's report; an agent that dies takes its
 assignments and reports with its lease, and its members read as `VANISHED`
 (they die with it). Stopping a member writes `stop` into its assignment, and
 its output comes from its agent over HTTP, with the bearer token of the agent's
-registration. Registrations and reports are validated (`agent_keys`): an
+registration. Registrations and reports are validated (`agent_protocol`): an
 agent's address is used only from a live (leased) registration that parses.
 The job's etcd credentials travel in the assignment, which only its agent (and
 the service) may read.
@@ -36,7 +36,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, KeyValue, Put, QuietSince
 from coordinator.keys import Keys, leaf, member_name, of_run, placements_of
-from coordinator.service.agent_keys import AgentRecord, Report
+from coordinator.service.agent_protocol import AgentRecord, Report
 from coordinator.service.chunks import (
     DEFAULT_MAX_TXN_BYTES,
     DEFAULT_MAX_TXN_OPS,
@@ -257,7 +257,7 @@ class AgentsLauncher:
 
 
 def _assignment(launch: Launch, index: int, gpus: tuple[int, ...]) -> dict[str, object]:
-    """What member `index` runs, as its agent reads it (`agent_keys.Assignment`)."""
+    """What member `index` runs, as its agent reads it (`agent_protocol.Assignment`)."""
     command = launch.command
     assignment: dict[str, object] = {
         "run_id": launch.run_id,

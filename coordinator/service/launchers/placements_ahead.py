@@ -21,7 +21,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, Delete, Empty, KeyValue, Put, ValueIs, When
 from coordinator.keys import Keys, member_name, new_placement, placements_of
-from coordinator.service.agent_keys import PLACEMENT_PATTERN
+from coordinator.service.agent_protocol import PLACEMENT_PATTERN
 from coordinator.service.chunks import Write, chunk_guards, chunks
 from coordinator.service.launchers import Launch, Reservation
 from coordinator.service.model import Member
