@@ -63,6 +63,7 @@ class Cluster:
             self.prefix, driver="bridge", labels={LABEL: "1"}
         )
         self.etcd_name = f"{self.prefix}-etcd"
+        self.artifacts = f"{self.prefix}-artifacts"  # the members' volume, removed afterwards
         self.etcd: Container = self.client.containers.run(
             images.etcd,
             [
@@ -102,6 +103,9 @@ class Cluster:
         for network in self.client.networks.list():  # ours, and the one a launcher made
             if network.name.startswith(self.prefix):
                 network.remove()
+        for volume in self.client.volumes.list():  # what a launcher created for its members
+            if volume.name.startswith(self.prefix):
+                volume.remove(force=True)
 
 
 @pytest.fixture
@@ -156,6 +160,7 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
         cluster.host_endpoint, f"/{cluster.prefix}", tmp_path / "data",
         "--docker-image", image, "--docker-host", podman_service.url,
         "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+        "--docker-artifacts", cluster.artifacts,
         "--docker-memory", "768m", "--docker-pids-limit", "256",
         "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
         member_ttl=5,
@@ -213,7 +218,9 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
         assert {c.id for c in cluster.members()} == set(containers), "no new container"
 
         # A launcher asked again for a member (a new leader) finds it, starts none.
-        launcher = DockerLauncher(images.worker, cluster.prefix, podman_service.url, "x:2379")
+        launcher = DockerLauncher(
+            images.worker, cluster.prefix, podman_service.url, "x:2379", artifacts=cluster.artifacts
+        )
         first = next(m for m in members if m["index"] == 0)
         again_command = WorkerCommand(job_id=run_id.rsplit("-", 1)[0], world_size=2)
         again_launch = Launch(run_id, 1, JobSpec(kind="xgboost", workers=2), again_command)
@@ -247,6 +254,7 @@ def test_the_launcher_creates_its_network_and_stops_removes_and_follows_containe
         cluster.container_endpoint,
         memory="512m",
         pids_limit=128,
+        artifacts=cluster.artifacts,
         secrets_dir=tmp_path / "secrets",
     )
     launcher.ensure_network()
@@ -328,6 +336,7 @@ def test_a_command_job_runs_in_containers_of_an_allowed_image_and_others_are_ref
         cluster.host_endpoint, f"/{cluster.prefix}", tmp_path / "data",
         "--docker-image", image, "--docker-host", podman_service.url,
         "--docker-network", cluster.prefix, "--docker-etcd", cluster.container_endpoint,
+        "--docker-artifacts", cluster.artifacts,
         "--etcd-user", ROOT, "--etcd-password-file", str(cluster.root_password),
         "--allowed-image", f"{repository}:*",
         member_ttl=5,
