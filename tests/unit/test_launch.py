@@ -3,6 +3,9 @@ whole GPUs placed on agents (pure parts; the GPU acceptance test is in test_gpus
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from coordinator.context import etcd_wait_from
@@ -81,31 +84,28 @@ def test_placement_gives_whole_gpus_never_one_held_and_needs_them_all() -> None:
     assert place([AgentRoom("cpu", 8)], 1, {}, gpus_per_worker=1) is None
 
 
-def test_a_members_gpus_become_its_programs_cuda_visible_devices() -> None:
+def environment_of(base: dict[str, str], **extra: Any) -> dict[str, str]:
+    """A one-member job's program environment over `base`."""
     roster = Roster.model_validate(
         {"job_id": "j", "round": 1, "world_size": 1, "secret": "0" * 64,
          "members": [{"rank": 0, "member_id": "m", "host": "127.0.0.1", "port": 1,
                       "hostname": "h", "pid": 1}]}
     )  # fmt: skip
-    settings = {"ports": {0: 2}, "roster_file": "/r", "artifacts": "/a", "etcd_endpoints": "e",
-                "namespace": "/n"}  # fmt: skip
-    base = {"COORDINATOR_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
-    env = program_environment(base, roster=roster, rank=0, **settings)  # type: ignore[arg-type]
+    return program_environment(
+        base, roster=roster, rank=0, ports={0: 2}, roster_file=Path("/r"),
+        artifacts=Path("/a"), etcd_endpoints="e", namespace="/n", **extra,
+    )  # fmt: skip
+
+
+def test_a_members_gpus_become_its_programs_cuda_visible_devices() -> None:
+    env = environment_of({"COORDINATOR_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
-    plain = program_environment({}, roster=roster, rank=0, **settings)  # type: ignore[arg-type]
-    assert "CUDA_VISIBLE_DEVICES" not in plain
+    assert "CUDA_VISIBLE_DEVICES" not in environment_of({})
 
 
 def test_a_program_waits_for_etcd_as_long_as_its_member() -> None:
-    roster = Roster.model_validate(
-        {"job_id": "j", "round": 1, "world_size": 1, "secret": "0" * 64,
-         "members": [{"rank": 0, "member_id": "m", "host": "127.0.0.1", "port": 1,
-                      "hostname": "h", "pid": 1}]}
-    )  # fmt: skip
-    settings = {"ports": {0: 2}, "roster_file": "/r", "artifacts": "/a", "etcd_endpoints": "e",
-                "namespace": "/n"}  # fmt: skip
-    inherited = {"COORDINATOR_ETCD_WAIT": "9999"}  # never the member's own environment's
-    env = program_environment(inherited, roster=roster, rank=0, etcd_wait=65.0, **settings)  # type: ignore[arg-type]
+    # never what the member's own environment says
+    env = environment_of({"COORDINATOR_ETCD_WAIT": "9999"}, etcd_wait=65.0)
     assert env["COORDINATOR_ETCD_WAIT"] == "65"
     assert etcd_wait_from(env) == 65.0
     for untrusted in ("", "soon", "0", "nan", "1e9", "-5"):
