@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -47,6 +47,7 @@ from coordinator.etcd.users import (
     write_password_file,
 )
 from coordinator.jobs import COMMAND
+from coordinator.jobs.private_folder import make_private_folder
 from coordinator.keys import job_path
 from coordinator.launch import WorkerCommand
 from coordinator.launch.piped import LocalLauncher
@@ -151,17 +152,20 @@ def _etcd_endpoint(
     """The given endpoints, or an embedded etcd (auth on), for the duration of the block;
     the workers' etcd settings exported for them to inherit: a user of the job's own
     when the settings may make one, else the settings as given."""
-    with tempfile.TemporaryDirectory(prefix="coordinator-run-") as private:  # 0700
+    private = make_private_folder("run")  # (a killed run's goes as the next member starts)
+    try:
         if etcd:
-            with _job_user(etcd, namespace, job_id, security, Path(private)):
+            with _job_user(etcd, namespace, job_id, security, private):
                 yield etcd
             return
         with EmbeddedEtcd() as server:
             console.print(
                 f"[dim]embedded etcd at {server.endpoint} (data in {server.data_dir})[/dim]"
             )
-            with _job_user(server.endpoint, namespace, job_id, server.security, Path(private)):
+            with _job_user(server.endpoint, namespace, job_id, server.security, private):
                 yield server.endpoint
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 @contextlib.contextmanager

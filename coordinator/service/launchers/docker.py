@@ -43,6 +43,7 @@ tick. `start` raises, and the reconciler fails the attempt naming why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -118,6 +119,7 @@ class DockerLauncher:
         self.api_timeout = api_timeout  # seconds, per request to the engine
         self.hardening = member_hardening(memory, pids_limit, artifacts)
         self.secrets_dir = _private_dir(secrets_dir)
+        self._own_secrets_dir = secrets_dir is None
         # One client per thread (the reconciler's, the API's workers): a client's HTTP
         # session is not meant to be shared across threads.
         self._local = threading.local()
@@ -282,6 +284,13 @@ class DockerLauncher:
                 pass  # removed meanwhile
         shutil.rmtree(self.password_path(run_id).parent, ignore_errors=True)
         return removed
+
+    def close(self) -> None:
+        """Remove the temporary folder of password files if no run holds one any more
+        (a member still running keeps its file, and the folder with it)."""
+        if self._own_secrets_dir:
+            with contextlib.suppress(OSError):
+                self.secrets_dir.rmdir()
 
     def _signal(self, member: Member, signal: str) -> None:
         try:

@@ -219,8 +219,9 @@ def test_a_docker_job_runs_its_members_as_containers_on_the_network(
 
         # A launcher asked again for a member (a new leader) finds it, starts none.
         launcher = DockerLauncher(
-            images.worker, cluster.prefix, podman_service.url, "x:2379", artifacts=cluster.artifacts
-        )
+            images.worker, cluster.prefix, podman_service.url, "x:2379",
+            artifacts=cluster.artifacts, secrets_dir=tmp_path / "secrets",
+        )  # fmt: skip
         first = next(m for m in members if m["index"] == 0)
         again_command = WorkerCommand(job_id=run_id.rsplit("-", 1)[0], world_size=2)
         again_launch = Launch(run_id, 1, JobSpec(kind="xgboost", workers=2), again_command)
