@@ -39,7 +39,7 @@ from coordinator.datasets import DataSource, Layout, Shard, check_shards, load_s
 from coordinator.events import Round, emit
 from coordinator.files import replacing
 from coordinator.jobs import catalog
-from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
+from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_at_least, int_param
 from coordinator.rendezvous.errors import MemberLost
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def parse(params: dict[str, str]) -> BoostingOptions:
             label_column=label_column,
             num_features=num_features,
         )
-    rounds = _positive(params, "rounds", 10)
+    rounds = int_at_least(JOB, params, "rounds", 10, minimum=1)
     early = int_param(JOB, params, "early_stopping_rounds")
     if early is not None and (early < 1 or eval_data is None):
         raise ValueError(
@@ -117,20 +117,12 @@ def parse(params: dict[str, str]) -> BoostingOptions:
         eval_data=eval_data,
         rounds=rounds,
         early_stopping_rounds=early,
-        nthread=_positive(params, "nthread", 1),
+        nthread=int_at_least(JOB, params, "nthread", 1, minimum=1),
         artifacts=artifacts_dir(JOB, params),
         model_format=model_format,
         collective_timeout=int(float_param(JOB, params, "collective_timeout", 300.0)) or 1,
         booster=booster,
     )
-
-
-def _positive(params: dict[str, str], name: str, default: int) -> int:
-    value = int_param(JOB, params, name, default)
-    assert value is not None
-    if value < 1:
-        raise ValueError(f"{JOB} job: parameter {name} must be >= 1, got {value}")
-    return value
 
 
 def _let_xgboost_check(booster: dict[str, str]) -> None:

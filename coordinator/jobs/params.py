@@ -52,6 +52,15 @@ def int_param(
         ) from None
 
 
+def int_at_least(job: str, params: dict[str, str], name: str, default: int, minimum: int) -> int:
+    """An integer of at least `minimum` (a count, a seed): the error names the bound."""
+    value = int_param(job, params, name, default)
+    assert value is not None
+    if value < minimum:
+        raise ValueError(f"{job} job: parameter {name} must be >= {minimum}, got {value}")
+    return value
+
+
 def float_param(job: str, params: dict[str, str], name: str, default: float) -> float:
     """A non-negative number (durations, factors)."""
     if name not in params:

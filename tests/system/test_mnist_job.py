@@ -386,10 +386,13 @@ def test_good_idx_files_parse(tmp_path: Path) -> None:
         ({"epochs": "0"}, "epochs must be >= 1"),
         ({"batch_size": "x"}, "batch_size='x' is not an integer"),
         ({"optimizer": "rmsprop"}, "optimizer='rmsprop'"),
+        ({"ps": "-1"}, "ps must be >= 1, got -1"),
+        ({"checkpoint_every": "-1"}, "checkpoint_every must be >= 0, got -1"),
     ],
     ids=[
         "unknown", "xsp", "ps", "aggregate-asp", "straggler-server", "bad-magic",
-        "missing-dir", "epochs", "batch-size", "optimizer",
+        "missing-dir", "epochs", "batch-size", "optimizer", "ps-negative",
+        "checkpoint-negative",
     ],
 )  # fmt: skip
 def test_bad_input_is_named(params: dict[str, str], cause: str, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from coordinator.datasets.mnist import MnistSource, check_train_shards, parse_mn
 from coordinator.datasets.shards import plan
 from coordinator.jobs import catalog
 from coordinator.jobs.mnist.batches import steps_per_epoch
-from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_param
+from coordinator.jobs.params import artifacts_dir, check_known, float_param, int_at_least, int_param
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
 from coordinator.ps.model import MnistNet
 from coordinator.ps.optim import OptimizerSpec
@@ -81,7 +81,7 @@ class MnistOptions:
 def parse(params: dict[str, str], world_size: int) -> MnistOptions:
     """Check every parameter and the data files; a ValueError names the field and cause."""
     check_known(JOB, params, KNOWN)
-    servers = _positive(params, "ps", 1)
+    servers = int_at_least(JOB, params, "ps", 1, minimum=1)
     if world_size < servers + 1:
         raise ValueError(
             f"{JOB} job: {world_size} members cannot hold ps={servers} servers and a trainer"
@@ -109,7 +109,7 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
     straggler, factor = parse_straggler(JOB, params, range(servers, world_size))
     data = parse_mnist(params.get("data", "digits"), field="data")
     check_train_shards(data, trainers)
-    batch_size = _positive(params, "batch_size", 32)
+    batch_size = int_at_least(JOB, params, "batch_size", 32, minimum=1)
     decay = float_param(JOB, params, "lr_decay", 0.7)
     if not 0 < decay <= 1:
         raise ValueError(f"{JOB} job: parameter lr_decay must be in (0, 1], got {decay:g}")
@@ -134,10 +134,10 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
         straggler_rank=straggler,
         straggler_factor=factor,
         eval_seconds=float_param(JOB, params, "eval_seconds", 2.0) or 2.0,
-        checkpoint_every=_non_negative(params, "checkpoint_every", 500),
+        checkpoint_every=int_at_least(JOB, params, "checkpoint_every", 500, minimum=0),
         resume=_bool(params, "resume"),
-        seed=_non_negative(params, "seed", 0),
-        threads=_positive(params, "threads", 1),
+        seed=int_at_least(JOB, params, "seed", 0, minimum=0),
+        threads=int_at_least(JOB, params, "threads", 1, minimum=1),
         artifacts=artifacts_dir(JOB, params),
     )
 
@@ -149,21 +149,6 @@ def _updates_per_epoch(data: MnistSource, trainers: int, batch_size: int, aggreg
         for pieces in plan([data.train_count], trainers)
     ]
     return max(steps) if aggregate else sum(steps)
-
-
-def _positive(params: dict[str, str], name: str, default: int) -> int:
-    value = _non_negative(params, name, default)
-    if value < 1:
-        raise ValueError(f"{JOB} job: parameter {name} must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(params: dict[str, str], name: str, default: int) -> int:
-    value = int_param(JOB, params, name, default)
-    assert value is not None
-    if value < 0:
-        raise ValueError(f"{JOB} job: parameter {name} must be >= 0, got {value}")
-    return value
 
 
 def _bool(params: dict[str, str], name: str) -> bool:
