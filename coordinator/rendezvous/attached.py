@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import LeaseHolder
+from coordinator.etcd.values import json_object
 from coordinator.etcd.watch import WatchEvent
 from coordinator.keys import ProgramKeys, rank_of
 from coordinator.rendezvous.errors import MemberLost, RendezvousError
-from coordinator.rendezvous.member import Member, loss_reason, member_state
+from coordinator.rendezvous.member import Member, loss_reason
 from coordinator.rendezvous.roster import Roster
 
 
@@ -87,7 +88,7 @@ class AttachedMember(Member):
         for event in events:
             if rank_of(event.key) == self.rank:
                 self._borrowed.mark_lost(
-                    f"this program's member left: {loss_reason(member_state(event.prev_value))}"
+                    f"this program's member left: {loss_reason(json_object(event.prev_value))}"
                 )
         super()._on_member_deleted(events)
 

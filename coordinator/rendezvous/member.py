@@ -48,6 +48,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import LeaseNotFound
 from coordinator.etcd.names import check_name
 from coordinator.etcd.session import Session
+from coordinator.etcd.values import json_object
 from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.keys import JobKeys, rank_of
 from coordinator.rendezvous import handshake
@@ -202,7 +203,7 @@ class Member:
             """The round, if the set announced includes our claim: it was complete at a
             revision after our claim, and our key has not vanished since (we would have
             heard). An announcement of an earlier round was complete before it."""
-            elected = member_state(value)
+            elected = json_object(value)
             complete_at, round_ = elected.get("complete_at"), elected.get("round")
             if not isinstance(complete_at, int) or not isinstance(round_, int):
                 return None
@@ -448,7 +449,7 @@ class Member:
 
     def _on_member_deleted(self, events: list[WatchEvent]) -> None:
         for event in events:
-            state = member_state(event.prev_value)
+            state = json_object(event.prev_value)
             rank = rank_of(event.key)
             # Leaving is normal only after the cleaner barrier, which we are then in.
             if state.get("state") != "left" or self.phase != "cleaner":
@@ -655,15 +656,6 @@ def read_roster(value: bytes) -> Roster:
             for e in exc.errors(include_input=False, include_url=False)
         )
         raise RendezvousError(f"the job's roster in etcd is malformed: {problems}") from None
-
-
-def member_state(value: bytes) -> dict[str, Any]:
-    """A member key's value as a dict (empty when it holds no JSON object we know)."""
-    try:
-        state = json.loads(value)
-    except ValueError:
-        return {}
-    return state if isinstance(state, dict) else {}
 
 
 def loss_reason(state: dict[str, Any]) -> str:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import Session
+from coordinator.etcd.values import json_object
 from coordinator.service.model import Member
 
 EXIT_REFUSED = 2  # the exit code reported for an assignment refused: bad arguments
@@ -52,13 +53,13 @@ def register(etcd: Etcd, session: Session, key: str, record: dict[str, Any], age
     """Write `record` at `key` under `session`'s lease; the registration's create
     revision. AgentTaken (and `session` closed) if another live agent holds the key."""
     created, current, _ = etcd.create(key, json.dumps(record), session.lease_id)
-    if not created and _holder(current.value).get("token") == record["token"]:
+    if not created and json_object(current.value).get("token") == record["token"]:
         # Our own registration, under the lease we gave up on but etcd still keeps.
         etcd.delete_if(key, current.mod_revision)
         created, current, _ = etcd.create(key, json.dumps(record), session.lease_id)
     if not created:
         session.close()
-        holder = _holder(current.value)
+        holder = json_object(current.value)
         raise AgentTaken(
             f"agent id {agent_id!r} is registered by another live agent "
             f"(host {holder.get('host')}, pid {holder.get('pid')}); choose another --id"
@@ -99,12 +100,3 @@ def refusal_reason(name: str, exc: Exception) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "value"
         return f"assignment {name} refused: {where}: {error['msg']}"
     return f"assignment {name} refused: {exc}"
-
-
-def _holder(value: bytes) -> dict[str, Any]:
-    """The registration record another agent wrote (anything not a JSON object: empty)."""
-    try:
-        record = json.loads(value)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}

@@ -35,10 +35,11 @@ from typing import Any, ClassVar
 from coordinator.barriers.live.records import Clock, Counters, OnLoss, Passage
 from coordinator.barriers.policy import BarrierSpec, Method
 from coordinator.etcd.errors import LeaseNotFound
+from coordinator.etcd.values import json_object
 from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.keys import StepKeys, rank_of
 from coordinator.rendezvous.errors import MemberLost, RendezvousTimeout, SessionLost
-from coordinator.rendezvous.member import Member, loss_reason, member_state
+from coordinator.rendezvous.member import Member, loss_reason
 
 Inboxed = tuple[Callable[[Any], None], Any]  # what to apply on the worker's thread, and to what
 
@@ -237,7 +238,7 @@ class LiveBarrier:
 
     def _members_gone(self, events: list[WatchEvent]) -> None:
         for event in events:
-            self._peer_lost(rank_of(event.key), loss_reason(member_state(event.prev_value)))
+            self._peer_lost(rank_of(event.key), loss_reason(json_object(event.prev_value)))
         self._after_losses()
 
     def _peer_lost(self, rank: int, reason: str) -> None:
