@@ -85,7 +85,7 @@ def checked_security(endpoints: str, settings: EtcdSecurity) -> EtcdSecurity:
         if parsed:
             settings.check_endpoints(parsed)
     except SecurityError as exc:
-        raise typer.BadParameter(str(exc), param_hint=exc.option) from None
+        raise typer.BadParameter(str(exc), param_hint=exc.field) from None
     settings.export()
     return settings
 

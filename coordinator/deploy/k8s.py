@@ -25,6 +25,7 @@ import yaml
 
 from coordinator.etcd.connection import parse_endpoints
 from coordinator.etcd.names import check_name
+from coordinator.field_error import FieldError
 from coordinator.jobs import MEMBER_KINDS
 
 #: The repository's `k8s/` folder: the repository root is the parent of `coordinator/`.
@@ -46,12 +47,8 @@ MANIFESTS_ENV = "COORDINATOR_MANIFESTS"
 Manifest = dict[str, Any]
 
 
-class InvalidValue(ValueError):
+class InvalidValue(FieldError):
     """A bad render input; `field` names the option so the CLI can point at it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def manifest_dir() -> Path:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
 from pyetcd import etcdrpc
+
+from coordinator.field_error import FieldError
 
 #: field -> environment variable; the options are `--etcd-<field>` (`password-file`).
 ENV = {
@@ -34,12 +36,8 @@ def _option(name: str) -> str:
     return "--etcd-" + name.replace("_", "-")
 
 
-class SecurityError(ValueError):
-    """A setting is unusable; `option` names the one to fix (`--etcd-cert`, ...)."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(message)
-        self.option = option
+class SecurityError(FieldError):
+    """A setting is unusable; `field` names the option to fix (`--etcd-cert`, ...)."""
 
 
 @dataclass(frozen=True)
@@ -234,32 +232,19 @@ class TokenAuth(
         call.add_done_callback(done)
         return call
 
-    def intercept_unary_unary(
+    def _one_response(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
         details, _ = self._details(client_call_details)
         return continuation(details, request)
 
-    def intercept_unary_stream(
+    def _response_stream(
         self, continuation: Callable[..., Any], client_call_details: Any, request: Any
     ) -> Any:
         details, token = self._details(client_call_details)
         return self._watch(continuation(details, request), token)
 
-    def intercept_stream_unary(
-        self,
-        continuation: Callable[..., Any],
-        client_call_details: Any,
-        request_iterator: Iterator[Any],
-    ) -> Any:
-        details, _ = self._details(client_call_details)
-        return continuation(details, request_iterator)
-
-    def intercept_stream_stream(
-        self,
-        continuation: Callable[..., Any],
-        client_call_details: Any,
-        request_iterator: Iterator[Any],
-    ) -> Any:
-        details, token = self._details(client_call_details)
-        return self._watch(continuation(details, request_iterator), token)
+    # gRPC calls one method per request and response kind (a request may be an iterator);
+    # only the response kind matters here: a stream learns of a rejected token at its end.
+    intercept_unary_unary = intercept_stream_unary = _one_response
+    intercept_unary_stream = intercept_stream_stream = _response_stream

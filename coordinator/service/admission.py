@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV
+from coordinator.field_error import FieldError
 from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
@@ -35,12 +36,8 @@ _SYNTHETIC = re.compile(r"synthetic:(\d+)x(\d+)(?::\d+)?")
 _GLOB_CHARS = ("*", "?", "[")
 
 
-class Refused(ValueError):
+class Refused(FieldError):
     """A parameter the API does not accept; `field` names it (e.g. `params.data`)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True)
