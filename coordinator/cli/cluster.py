@@ -61,7 +61,7 @@ def k8s_manifests(
     from coordinator.deploy import k8s as k8s_deploy
 
     try:
-        docs = k8s_deploy.render(
+        pods = k8s_deploy.WorkerPods(
             workers=workers,
             job=job,
             image=image,
@@ -70,6 +70,7 @@ def k8s_manifests(
             kind=kind.value,
             params=",".join(f"{k}={v}" for k, v in parse_params(param or []).items()),
         )
+        docs = k8s_deploy.render(pods)
     except k8s_deploy.InvalidValue as exc:
         raise typer.BadParameter(str(exc), param_hint=f"--{exc.field}") from None
     except ValueError as exc:  # a parameter that is not KEY=VALUE

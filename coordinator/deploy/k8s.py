@@ -18,6 +18,8 @@ import copy
 import hashlib
 import os
 import re
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -214,74 +216,76 @@ def job_name(job: str) -> str:
     return name
 
 
-def _check(
-    workers: int, job: str, image: str, etcd: str | None, kind: str, params: str
-) -> str | None:
-    """Validate the inputs; return the normalised etcd endpoints (or None)."""
-    if isinstance(workers, bool) or not isinstance(workers, int):
-        raise InvalidValue("workers", f"workers must be an integer, not {workers!r}")
-    if not 1 <= workers <= MAX_WORKERS:
-        raise InvalidValue("workers", f"workers must be between 1 and {MAX_WORKERS}, not {workers}")
-    try:
-        check_name("job id", job)
-    except ValueError as exc:
-        raise InvalidValue("job", str(exc)) from None
-    if not image or any(c.isspace() for c in image):
-        raise InvalidValue("image", f"image {image!r} must be a non-empty image reference")
-    if kind not in MEMBER_KINDS:
-        known = ", ".join(sorted(MEMBER_KINDS))
-        raise InvalidValue("kind", f"kind {kind!r} is not one of: {known}")
-    if "\n" in params or "\r" in params:
-        raise InvalidValue("params", f"params must be one line (KEY=VALUE,...), not {params!r}")
-    if etcd is None:
-        return None
-    try:
-        endpoints = parse_endpoints(etcd)
-    except ValueError as exc:
-        raise InvalidValue("etcd", str(exc)) from None
-    return ",".join(endpoints)
+@dataclass(frozen=True)
+class WorkerPods:
+    """One job's worker pods: how many, of which job, from which image, reaching which
+    etcd (None: the bundled one), under which namespace prefix, running which kind with
+    which parameters (`KEY=VALUE,...`). Checked when made: InvalidValue names the field."""
+
+    workers: int
+    job: str
+    image: str = DEFAULT_IMAGE
+    etcd: str | None = None
+    namespace_prefix: str = DEFAULT_NAMESPACE
+    kind: str = "noop"
+    params: str = ""
+
+    def __post_init__(self) -> None:
+        workers = self.workers
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise InvalidValue("workers", f"workers must be an integer, not {workers!r}")
+        if not 1 <= workers <= MAX_WORKERS:
+            raise InvalidValue(
+                "workers", f"workers must be between 1 and {MAX_WORKERS}, not {workers}"
+            )
+        try:
+            check_name("job id", self.job)
+        except ValueError as exc:
+            raise InvalidValue("job", str(exc)) from None
+        if not self.image or any(c.isspace() for c in self.image):
+            raise InvalidValue("image", f"image {self.image!r} must be a non-empty image reference")
+        if self.kind not in MEMBER_KINDS:
+            known = ", ".join(sorted(MEMBER_KINDS))
+            raise InvalidValue("kind", f"kind {self.kind!r} is not one of: {known}")
+        if "\n" in self.params or "\r" in self.params:
+            raise InvalidValue(
+                "params", f"params must be one line (KEY=VALUE,...), not {self.params!r}"
+            )
+        self.endpoints  # noqa: B018 (checked now, not when first used)
+
+    @cached_property
+    def endpoints(self) -> str | None:
+        """The normalised etcd endpoints (None: the bundled etcd)."""
+        if self.etcd is None:
+            return None
+        try:
+            endpoints = parse_endpoints(self.etcd)
+        except ValueError as exc:
+            raise InvalidValue("etcd", str(exc)) from None
+        return ",".join(endpoints)
 
 
 def _is_bundled_etcd(doc: Manifest) -> bool:
     return doc["kind"] in ("StatefulSet", "Service") and doc["metadata"]["name"] == "etcd"
 
 
-def render(
-    workers: int,
-    job: str,
-    image: str = DEFAULT_IMAGE,
-    etcd: str | None = None,
-    namespace_prefix: str = DEFAULT_NAMESPACE,
-    kind: str = "noop",
-    params: str = "",
-) -> list[Manifest]:
-    """The manifests for one job of `workers` members (`coordinator k8s`).
+def render(pods: WorkerPods) -> list[Manifest]:
+    """The manifests for one job's worker pods (`coordinator k8s`).
 
-    `params` is the job's COORDINATOR_PARAMS (KEY=VALUE,..., e.g. `epochs=3` for mnist).
-    With `etcd`, the bundled etcd is left out and the workers use those endpoints.
+    With `pods.etcd`, the bundled etcd is left out and the workers use those endpoints.
     The pods read their etcd user from the Secret `<job name>-etcd`, which the one who
     applies them creates (docs/kubernetes.md).
-    Raises InvalidValue (a ValueError naming the field) for bad input.
     """
-    endpoints = _check(workers, job, image, etcd, kind, params)
     docs = job_manifests()
-    if endpoints is not None:
+    if pods.endpoints is not None:
         docs = [doc for doc in docs if not _is_bundled_etcd(doc)]
     template = _only_job(docs, MANIFEST_DIR)
-    docs[docs.index(template)] = worker_job(
-        workers, job, image, etcd, namespace_prefix, kind, params, template=template
-    )
+    docs[docs.index(template)] = worker_job(pods, template=template)
     return docs
 
 
 def worker_job(
-    workers: int,
-    job: str,
-    image: str = DEFAULT_IMAGE,
-    etcd: str | None = None,
-    namespace_prefix: str = DEFAULT_NAMESPACE,
-    kind: str = "noop",
-    params: str = "",
+    pods: WorkerPods,
     *,
     template: Manifest | None = None,
     name: str | None = None,
@@ -291,8 +295,8 @@ def worker_job(
     grace_seconds: int | None = None,
     credentials: bool = True,
 ) -> Manifest:
-    """The Indexed Job of one job's `workers` members: `template` (the Job of
-    `job.yaml` when None) with N, the job id, the image and the environment set.
+    """The Indexed Job of `pods`: `template` (the Job of `job.yaml` when None) with N,
+    the job id, the image and the environment set.
 
     The launcher also gives `name` (one Job per attempt, `job_name(job)` otherwise),
     the worker's `args` (`["worker", ...]`: its options win over the environment),
@@ -301,12 +305,11 @@ def worker_job(
     Secret `credentials_secret(name)`; `credentials=False` leaves it out (an etcd
     without auth).
     """
-    endpoints = _check(workers, job, image, etcd, kind, params)
     result = copy.deepcopy(template if template is not None else job_template())
     metadata = result["metadata"]
-    metadata["name"] = name or job_name(job)
+    metadata["name"] = name or job_name(pods.job)
     spec = result["spec"]
-    spec["parallelism"] = spec["completions"] = workers
+    spec["parallelism"] = spec["completions"] = pods.workers
     pod_template = spec["template"]
     for target in (metadata, pod_template.setdefault("metadata", {})):
         if labels:
@@ -314,20 +317,20 @@ def worker_job(
         if annotations:
             target["annotations"] = {**target.get("annotations", {}), **annotations}
     values = {
-        "COORDINATOR_JOB": job,
-        "COORDINATOR_WORLD_SIZE": str(workers),
-        "COORDINATOR_KIND": kind,
-        "COORDINATOR_NAMESPACE": namespace_prefix,
-        "COORDINATOR_PARAMS": params,
+        "COORDINATOR_JOB": pods.job,
+        "COORDINATOR_WORLD_SIZE": str(pods.workers),
+        "COORDINATOR_KIND": pods.kind,
+        "COORDINATOR_NAMESPACE": pods.namespace_prefix,
+        "COORDINATOR_PARAMS": pods.params,
     }
-    if endpoints is not None:
-        values["COORDINATOR_ETCD"] = endpoints
+    if pods.endpoints is not None:
+        values["COORDINATOR_ETCD"] = pods.endpoints
     pod = pod_template["spec"]
     _set_credentials(pod, credentials_secret(metadata["name"]) if credentials else None)
     if grace_seconds is not None:
         pod["terminationGracePeriodSeconds"] = grace_seconds
     for container in [*pod.get("initContainers", []), *pod["containers"]]:
-        container["image"] = image
+        container["image"] = pods.image
         for var in container.get("env", []):
             if var["name"] in values:
                 var["value"] = values[var["name"]]

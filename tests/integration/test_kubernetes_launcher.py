@@ -392,8 +392,12 @@ def test_the_job_is_the_one_coordinator_k8s_renders(
     only what makes it this attempt's (name, labels, args, grace) added."""
     launcher = new_launcher(api, launchers)
     sent = launcher.job(launch(4))
-    rendered = k8s.worker_job(4, "demo", IMAGE, ETCD, kind="steps")
-    (job,) = [d for d in k8s.render(4, "demo", IMAGE, ETCD, kind="steps") if d["kind"] == "Job"]
+    rendered = k8s.worker_job(k8s.WorkerPods(4, "demo", IMAGE, ETCD, kind="steps"))
+    (job,) = [
+        d
+        for d in k8s.render(k8s.WorkerPods(4, "demo", IMAGE, ETCD, kind="steps"))
+        if d["kind"] == "Job"
+    ]
     assert job == rendered
     assert normalised(sent) == normalised(rendered)
 

@@ -120,14 +120,18 @@ def test_every_shipped_manifest_passes_strict_schema_validation(version: str) ->
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_rendered_manifests_for_four_workers_pass_strict_schema_validation(version: str) -> None:
-    validate_all(k8s.render(4, "demo"), version)
-    validate_all(k8s.render(4, "Demo_1", etcd="etcd.infra:2379", kind="noop"), version)
+    validate_all(k8s.render(k8s.WorkerPods(4, "demo")), version)
+    validate_all(
+        k8s.render(k8s.WorkerPods(4, "Demo_1", etcd="etcd.infra:2379", kind="noop")), version
+    )
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_an_mnist_job_renders_valid_manifests_with_its_kind_and_parameters(version: str) -> None:
     """The documented MNIST run: 3 pods (a parameter server and two trainers)."""
-    docs = k8s.render(3, "m", image="r/etcd-coordinator:mnist", kind="mnist", params="epochs=3")
+    docs = k8s.render(
+        k8s.WorkerPods(3, "m", image="r/etcd-coordinator:mnist", kind="mnist", params="epochs=3")
+    )
     validate_all(docs, version)
     assert only(docs, "Job")["spec"]["completions"] == 3
     values = {name: var.get("value") for name, var in env(worker(docs)).items()}
@@ -139,11 +143,11 @@ def test_an_mnist_job_renders_valid_manifests_with_its_kind_and_parameters(versi
 
 def test_the_validator_catches_a_misspelt_field_and_a_wrong_type() -> None:
     """The schema check above can fail: strict mode rejects what a cluster would ignore."""
-    job = only(k8s.render(4, "demo"), "Job")
+    job = only(k8s.render(k8s.WorkerPods(4, "demo")), "Job")
     job["spec"]["parallelizm"] = job["spec"].pop("parallelism")
     with pytest.raises(kubernetes_validate.ValidationError, match="parallelizm"):
         kubernetes_validate.validate(job, K8S_VERSIONS[-1], strict=True)
-    job = only(k8s.render(4, "demo"), "Job")
+    job = only(k8s.render(k8s.WorkerPods(4, "demo")), "Job")
     job["spec"]["completions"] = "4"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, K8S_VERSIONS[-1], strict=True)
@@ -183,7 +187,7 @@ def test_the_shipped_job_is_consistent_on_its_own() -> None:
 
 def test_render_sets_the_worker_count_of_an_indexed_job() -> None:
     for n in (1, 4, 17):
-        spec = only(k8s.render(n, "demo"), "Job")["spec"]
+        spec = only(k8s.render(k8s.WorkerPods(n, "demo")), "Job")["spec"]
         assert spec["parallelism"] == spec["completions"] == n
         assert spec["completionMode"] == "Indexed"
         # A failed member fails the job; a restarted pod would join a broken rendezvous.
@@ -192,7 +196,7 @@ def test_render_sets_the_worker_count_of_an_indexed_job() -> None:
 
 
 def test_render_gives_the_worker_the_environment_it_needs() -> None:
-    docs = k8s.render(4, "demo", namespace_prefix="/team-a", kind="noop")
+    docs = k8s.render(k8s.WorkerPods(4, "demo", namespace_prefix="/team-a", kind="noop"))
     variables = env(worker(docs))
     assert set(variables) >= WORKER_ENV
     values = {name: var.get("value") for name, var in variables.items()}
@@ -213,18 +217,18 @@ def test_render_gives_the_worker_the_environment_it_needs() -> None:
 
 def test_the_worker_port_matches_the_image() -> None:
     image = dockerfile()
-    container = worker(k8s.render(4, "demo"))
+    container = worker(k8s.render(k8s.WorkerPods(4, "demo")))
     port = env(container)["COORDINATOR_PORT"]["value"]
     assert port == image["ENV"]["COORDINATOR_PORT"] == image["EXPOSE"]
     assert [p["containerPort"] for p in container["ports"]] == [int(port)]
-    service = only(k8s.render(4, "demo"), "Service", "workers")
+    service = only(k8s.render(k8s.WorkerPods(4, "demo")), "Service", "workers")
     assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
 
 
 def test_image_and_command_match_the_dockerfile_entrypoint() -> None:
     image = dockerfile()
     assert image["ENTRYPOINT"] == ["coordinator"] and image["CMD"] == ["worker"]
-    docs = k8s.render(4, "demo", image="registry.example/etcd-coordinator:0.1.0")
+    docs = k8s.render(k8s.WorkerPods(4, "demo", image="registry.example/etcd-coordinator:0.1.0"))
     container = worker(docs)
     assert container["image"] == "registry.example/etcd-coordinator:0.1.0"
     # No command means the image's ENTRYPOINT runs; a command would replace it.
@@ -236,13 +240,13 @@ def test_image_and_command_match_the_dockerfile_entrypoint() -> None:
 
 
 def test_the_pod_runs_as_the_image_user() -> None:
-    security = pod_spec(k8s.render(4, "demo"))["securityContext"]
+    security = pod_spec(k8s.render(k8s.WorkerPods(4, "demo")))["securityContext"]
     assert security["runAsNonRoot"] is True
     assert str(security["runAsUser"]) == dockerfile()["USER"] == "10001"
 
 
 def test_worker_pods_get_stable_names_through_a_headless_service() -> None:
-    docs = k8s.render(4, "demo")
+    docs = k8s.render(k8s.WorkerPods(4, "demo"))
     service = only(docs, "Service", "workers")
     assert service["spec"]["clusterIP"] == "None"
     template = only(docs, "Job")["spec"]["template"]
@@ -252,7 +256,7 @@ def test_worker_pods_get_stable_names_through_a_headless_service() -> None:
 
 
 def test_the_bundled_etcd_is_a_statefulset_with_a_volume_and_a_headless_service() -> None:
-    docs = k8s.render(4, "demo")
+    docs = k8s.render(k8s.WorkerPods(4, "demo"))
     service = only(docs, "Service", "etcd")
     assert service["spec"]["clusterIP"] == "None"
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
@@ -283,7 +287,7 @@ def test_the_bundled_etcd_is_a_statefulset_with_a_volume_and_a_headless_service(
 
 
 def test_an_external_etcd_leaves_the_bundled_one_out() -> None:
-    docs = k8s.render(4, "demo", etcd="http://e1:2379, e2:2379")
+    docs = k8s.render(k8s.WorkerPods(4, "demo", etcd="http://e1:2379, e2:2379"))
     assert not [d for d in docs if d["metadata"]["name"] == "etcd"]
     assert sorted(d["kind"] for d in docs) == ["Job", "PersistentVolumeClaim", "Service"]
     spec = pod_spec(docs)
@@ -292,7 +296,7 @@ def test_an_external_etcd_leaves_the_bundled_one_out() -> None:
 
 
 def test_render_does_not_change_what_load_returns() -> None:
-    k8s.render(9, "other", image="x:1", etcd="e:1")
+    k8s.render(k8s.WorkerPods(9, "other", image="x:1", etcd="e:1"))
     docs = k8s.job_manifests()
     assert only(docs, "Job")["spec"]["parallelism"] == 4
     assert worker(docs)["image"] == k8s.DEFAULT_IMAGE
@@ -320,7 +324,7 @@ def test_render_rejects_bad_input_naming_the_field(
     kwargs: dict[str, Any], field: str, message: str
 ) -> None:
     with pytest.raises(k8s.InvalidValue, match=re.escape(message)) as caught:
-        k8s.render(**{"workers": 4, "job": "demo", **kwargs})
+        k8s.render(k8s.WorkerPods(**{"workers": 4, "job": "demo", **kwargs}))
     assert caught.value.field == field
     assert isinstance(caught.value, ValueError)
 
@@ -341,7 +345,7 @@ def test_missing_manifests_raise_a_clear_error(
 ) -> None:
     monkeypatch.setattr(k8s, "MANIFEST_DIR", tmp_path / "k8s")
     with pytest.raises(FileNotFoundError, match=r"Kubernetes manifests not found at .*k8s"):
-        k8s.render(4, "demo")
+        k8s.render(k8s.WorkerPods(4, "demo"))
 
 
 def test_a_kustomization_naming_a_missing_file_raises(tmp_path: Path) -> None:
@@ -351,7 +355,7 @@ def test_a_kustomization_naming_a_missing_file_raises(tmp_path: Path) -> None:
 
 
 def test_dump_round_trips_as_multi_document_yaml() -> None:
-    docs = k8s.render(4, "demo")
+    docs = k8s.render(k8s.WorkerPods(4, "demo"))
     text = k8s.dump(docs)
     assert list(yaml.safe_load_all(text)) == docs
     assert text.count("\n---\n") == len(docs) - 1
@@ -462,7 +466,11 @@ def volumes(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("source", ["shipped", "rendered"])
 def test_every_container_runs_least_privileged_with_requests_and_limits(source: str) -> None:
-    docs = [*k8s.load(), k8s.job_template()] if source == "shipped" else k8s.render(4, "demo")
+    docs = (
+        [*k8s.load(), k8s.job_template()]
+        if source == "shipped"
+        else k8s.render(k8s.WorkerPods(4, "demo"))
+    )
     pods = pod_specs(docs)
     assert "Job/coordinator-demo" in pods
     if source == "shipped":
@@ -514,7 +522,7 @@ def test_agents_workers_and_the_service_share_the_artifacts_volume() -> None:
     assert dockerfile()["ENV"]["COORDINATOR_ARTIFACTS"] == "/artifacts"
     # A rendered job carries the claim, so `coordinator k8s | kubectl apply -f -` works alone.
     assert (
-        only(k8s.render(4, "demo"), "PersistentVolumeClaim")["metadata"]["name"]
+        only(k8s.render(k8s.WorkerPods(4, "demo")), "PersistentVolumeClaim")["metadata"]["name"]
         == (claim["metadata"]["name"])
     )
 
@@ -635,16 +643,18 @@ def test_the_agents_are_a_statefulset_with_ids_and_addresses_from_the_downward_a
 
 
 def test_render_builds_its_job_with_the_function_the_launcher_uses() -> None:
-    docs = k8s.render(5, "demo", image="r/i:1", etcd="e:1", kind="steps", params="steps=3")
+    docs = k8s.render(
+        k8s.WorkerPods(5, "demo", image="r/i:1", etcd="e:1", kind="steps", params="steps=3")
+    )
     assert only(docs, "Job") == k8s.worker_job(
-        5, "demo", "r/i:1", "e:1", kind="steps", params="steps=3"
+        k8s.WorkerPods(5, "demo", "r/i:1", "e:1", kind="steps", params="steps=3")
     )
 
 
 @pytest.mark.parametrize("workers", [4, 64])
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_rendered_manifests_pass_strict_validation_for_4_and_64(workers: int, version: str) -> None:
-    docs = k8s.render(workers, "demo")
+    docs = k8s.render(k8s.WorkerPods(workers, "demo"))
     validate_all(docs, version)
     assert only(docs, "Job")["spec"]["completions"] == workers
 
@@ -816,7 +826,8 @@ def pod_labels() -> dict[str, dict[str, str]]:
     kubernetes launcher makes them (its template plus its own labels)."""
     docs = k8s.load()
     launched = k8s.worker_job(
-        2, "demo", labels={"etcd-coordinator/launcher": "kubernetes", "etcd-coordinator/run": "x"}
+        k8s.WorkerPods(2, "demo"),
+        labels={"etcd-coordinator/launcher": "kubernetes", "etcd-coordinator/run": "x"},
     )
     return {
         "etcd": only(docs, "StatefulSet", "etcd")["spec"]["template"]["metadata"]["labels"],
@@ -830,9 +841,9 @@ def pod_labels() -> dict[str, dict[str, str]]:
             "labels"
         ],
         "worker": launched["spec"]["template"]["metadata"]["labels"],
-        "rendered worker": only(k8s.render(2, "demo"), "Job")["spec"]["template"]["metadata"][
-            "labels"
-        ],
+        "rendered worker": only(k8s.render(k8s.WorkerPods(2, "demo")), "Job")["spec"]["template"][
+            "metadata"
+        ]["labels"],
     }
 
 

@@ -112,7 +112,7 @@ class KubernetesLauncher:
         self.grace_seconds = grace_seconds
         self.request_timeout = request_timeout
         self._template = k8s.job_template(manifests)
-        k8s.worker_job(1, "check", image, self.etcd, template=self._template)  # raises early
+        k8s.worker_job(k8s.WorkerPods(1, "check", image, self.etcd), template=self._template)
         self._own_client = api_client is None
         self.api_client = api_client if api_client is not None else default_client()
         self._batch = k8s_client.BatchV1Api(self.api_client)

@@ -86,7 +86,7 @@ def attempt_job(
     # A `command` job's own image, if allowed (checked at submit; again here, as the
     # record came from etcd): ValueError naming it, before the API is asked anything.
     image = images.check(spec.image) if spec.kind == COMMAND else image
-    body = k8s.worker_job(
+    pods = k8s.WorkerPods(
         spec.workers,
         command.job_id,
         image,
@@ -94,6 +94,9 @@ def attempt_job(
         command.namespace or k8s.DEFAULT_NAMESPACE,
         command.kind or spec.kind,
         "",  # the job's parameters are in `args` (`--param`), which win over the env
+    )
+    body = k8s.worker_job(
+        pods,
         template=template,
         name=job_name(launch.run_id, launch.attempt),
         args=args,
