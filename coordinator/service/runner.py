@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -121,14 +121,9 @@ class Service:
                 raise LauncherUnavailable(f"the kubernetes launcher: {exc}") from None
         replica = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.leadership = Leadership(self.etcd, replica, options.leader_ttl)
-        settings = ReconcilerSettings(
-            etcd=options.etcd,
-            namespace=options.namespace,
-            max_workers=options.max_workers,
-            grace=options.grace,
-            member_ttl=options.member_ttl,
-            member_connect_timeout=options.member_connect_timeout,
-        )
+        # The reconciler acts on the options of the same names (tick and the rest: its own).
+        shared = {f.name for f in fields(ReconcilerSettings)} & {f.name for f in fields(options)}
+        settings = ReconcilerSettings(**{name: getattr(options, name) for name in shared})
         self.reconciler = Reconciler(
             self.etcd, self.store, self.launchers, settings, self.leadership
         )
