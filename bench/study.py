@@ -211,20 +211,20 @@ def ratios(runs: list, targets: list[float], subject: str, others: list[str]) ->
 def train_setting(args, workers, delay, methods, seeds, epochs, lr, momentum) -> list:
     step = eval_grid(workers, delay, args.data, args.batch, epochs, args.points)
     jobs = [
-        dict(
-            workers=workers,
-            delay=delay,
-            method=method,
-            seed=seed,
-            data=args.data,
-            test_rows=args.test_rows,
-            batch=args.batch,
-            epochs=epochs,
-            lr=lr,
-            momentum=momentum,
-            eval_seconds=step,
-            stop=max(args.targets),
-        )
+        {
+            "workers": workers,
+            "delay": delay,
+            "method": method,
+            "seed": seed,
+            "data": args.data,
+            "test_rows": args.test_rows,
+            "batch": args.batch,
+            "epochs": epochs,
+            "lr": lr,
+            "momentum": momentum,
+            "eval_seconds": step,
+            "stop": max(args.targets),
+        }
         for method in methods.split(",")
         for seed in range(seeds)
     ]
