@@ -7,8 +7,8 @@ Both stream for as long as the job lives, so both end on their own once it is fi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
@@ -27,12 +27,19 @@ MAX_REVISION = 2**63 - 2  # etcd's revisions are int64, and a watch starts one a
 router = APIRouter()
 
 
-@router.get(
-    f"{API}/jobs/{{job_id}}/events",
-    dependencies=reader,
-    responses={200: {"content": {"text/event-stream": {}}}, 404: {}},
-    response_class=Response,
-)
+def _job_stream(
+    name: str, media_type: str, response_class: type[Response]
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The route of a job's stream `name`: for readers, in `media_type`, 404 for no such job."""
+    return router.get(
+        f"{API}/jobs/{{job_id}}/{name}",
+        dependencies=reader,
+        responses={200: {"content": {media_type: {}}}, 404: {}},
+        response_class=response_class,
+    )
+
+
+@_job_stream("events", "text/event-stream", Response)
 async def events(
     job_id: str,
     context: Context,
@@ -48,12 +55,7 @@ async def events(
     )
 
 
-@router.get(
-    f"{API}/jobs/{{job_id}}/logs",
-    dependencies=reader,
-    responses={200: {"content": {"text/plain": {}}}, 404: {}},
-    response_class=PlainTextResponse,
-)
+@_job_stream("logs", "text/plain", PlainTextResponse)
 async def logs(
     job_id: str,
     context: Context,
