@@ -23,10 +23,10 @@ processes and their `coordinator worker` members.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -44,6 +44,7 @@ from api import NAMESPACE, Service, console, through_service  # bench/api.py
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.session import Session
+from coordinator.service.agent_protocol import AgentRecord
 from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.leadership import Leadership
 from coordinator.service.model import JobSpec, JobState, Launcher
@@ -127,8 +128,9 @@ def scheduler_pass(endpoint: str, jobs: int, agents: int, seed: int) -> Table:
         reconciler = Reconciler(etcd, store, launchers, settings, leadership)  # type: ignore[arg-type]
         try:
             for n in range(agents):
-                record = {"slots": 4, "labels": {}, "address": "127.0.0.1:9", "pid": 0}
-                etcd.put(etcd.key("agents", f"a{n:03}"), json.dumps(record), session.lease_id)
+                # As an agent registers (the model checks it: an invalid record is ignored).
+                record = AgentRecord(slots=4, address="127.0.0.1:9", token=secrets.token_hex(16))
+                etcd.put(etcd.key("agents", f"a{n:03}"), record.model_dump_json(), session.lease_id)
             with console.status(f"queueing {jobs} jobs"):
                 for n in range(jobs):
                     spec = JobSpec(
@@ -145,6 +147,8 @@ def scheduler_pass(endpoint: str, jobs: int, agents: int, seed: int) -> Table:
             placed = [s.record for s in store.scan() if s.record.state == JobState.STARTING]
             members = sum(r.spec.workers for r in placed)
             assigned, _ = etcd.get_prefix(etcd.key("assignments") + "/", keys_only=True)
+            if not placed:  # a registration the launcher ignores places nothing: say so
+                raise RuntimeError("no job was placed: are the agents' records still valid?")
             if len(assigned) != members:
                 raise RuntimeError(f"{len(assigned)} assignments for {members} placed members")
         finally:
