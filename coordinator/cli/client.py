@@ -35,21 +35,19 @@ from coordinator.cli.options import (
     parse_labels,
     parse_param_option,
     program_after_dashes,
+    unset_option,
 )
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 
 out = Console()
 err = Console(stderr=True)
 
+DEFAULT_SERVER = "http://127.0.0.1:8080"  # serve's default host and port
 ServerOption = Annotated[str, typer.Option(envvar="COORDINATOR_SERVER", help="the service's URL")]
-TokenOption = Annotated[
-    str | None,
-    typer.Option(
-        envvar="COORDINATOR_TOKEN",
-        help="bearer token [a local service's DATA_DIR/api-token]",
-        show_default=False,
-    ),
-]
+TokenOption = unset_option(
+    str, "COORDINATOR_TOKEN", "bearer token [a local service's DATA_DIR/api-token]"
+)
+JobIdArgument = Annotated[str, typer.Argument(help="job id")]
 OUTCOME_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 RECONNECTS = 20  # an events stream that breaks is resumed this often before giving up
 
@@ -165,7 +163,7 @@ def submit(
         typer.Option(help="command jobs: the program's folder, under the service's root"),
     ] = None,
     wait: Annotated[bool, typer.Option(help="follow the job to its end")] = False,
-    server: ServerOption = "http://127.0.0.1:8080",
+    server: ServerOption = DEFAULT_SERVER,
     token: TokenOption = None,
 ) -> None:
     """Submit a job (safe to retry with the same --id).
@@ -235,7 +233,7 @@ def jobs(
     kind: Annotated[str | None, typer.Option(help="only jobs of this kind")] = None,
     label: Annotated[list[str] | None, typer.Option(help="KEY=VALUE (repeat)")] = None,
     limit: Annotated[int, typer.Option(min=1, help="at most this many")] = 100,
-    server: ServerOption = "http://127.0.0.1:8080",
+    server: ServerOption = DEFAULT_SERVER,
     token: TokenOption = None,
 ) -> None:
     """List jobs, in id order."""
@@ -265,9 +263,7 @@ def jobs(
 
 
 def status(
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    server: ServerOption = "http://127.0.0.1:8080",
-    token: TokenOption = None,
+    job_id: JobIdArgument, server: ServerOption = DEFAULT_SERVER, token: TokenOption = None
 ) -> None:
     """A job's state, history, members, progress and artifacts."""
     record = Api(server, token).call("GET", f"/v1/jobs/{job_id}").json()
@@ -300,9 +296,7 @@ def status(
 
 
 def events(
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    server: ServerOption = "http://127.0.0.1:8080",
-    token: TokenOption = None,
+    job_id: JobIdArgument, server: ServerOption = DEFAULT_SERVER, token: TokenOption = None
 ) -> None:
     """Follow a job's changes (one line each) until its final state."""
     state = "PENDING"
@@ -316,11 +310,11 @@ def events(
 
 
 def logs(
-    job_id: Annotated[str, typer.Argument(help="job id")],
+    job_id: JobIdArgument,
     rank: Annotated[int | None, typer.Option(help="only this member")] = None,
     tail: Annotated[int | None, typer.Option(help="only the last N lines")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="until the members end")] = False,
-    server: ServerOption = "http://127.0.0.1:8080",
+    server: ServerOption = DEFAULT_SERVER,
     token: TokenOption = None,
 ) -> None:
     """The members' output, each line prefixed with its rank."""
@@ -342,9 +336,7 @@ def logs(
 
 
 def cancel(
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    server: ServerOption = "http://127.0.0.1:8080",
-    token: TokenOption = None,
+    job_id: JobIdArgument, server: ServerOption = DEFAULT_SERVER, token: TokenOption = None
 ) -> None:
     """Cancel a job (idempotent); its members leave, then it is CANCELLED."""
     record = Api(server, token).call("POST", f"/v1/jobs/{job_id}/cancel").json()

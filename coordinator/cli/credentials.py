@@ -23,7 +23,7 @@ from coordinator.cli.etcd_options import (
     connect,
     with_etcd_security,
 )
-from coordinator.cli.options import NamespaceOption, console
+from coordinator.cli.options import NamespaceOption, console, unset_option
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import EtcdSecurity
@@ -41,14 +41,11 @@ app = typer.Typer(
 )
 
 AgentId = Annotated[str, typer.Argument(help="the agent's id (its --id)")]
-DataDirOption = Annotated[
-    Path | None,
-    typer.Option(
-        envvar="COORDINATOR_DATA",
-        help="data dir of a `coordinator serve` with its own etcd: root's settings are there",
-        show_default=False,
-    ),
-]
+DataDirOption = unset_option(
+    Path,
+    "COORDINATOR_DATA",
+    "data dir of a `coordinator serve` with its own etcd: root's settings are there",
+)
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import typer.core
@@ -50,6 +50,12 @@ def progress_bar(
         TextColumn(description), BarColumn(), *counts, TimeElapsedColumn(),
         console=console, transient=transient,
     )  # fmt: skip
+
+
+def unset_option(value_type: type, envvar: str, help: str) -> Any:
+    """The type of an option that may be left out (None: its help says what that means),
+    also read from $`envvar`. It shows no default: None would say nothing."""
+    return Annotated[value_type | None, typer.Option(envvar=envvar, help=help, show_default=False)]
 
 
 KindArgument = Annotated[

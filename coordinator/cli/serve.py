@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,13 +14,50 @@ from coordinator.cli.etcd_options import (
     checked_security,
     with_etcd_security,
 )
-from coordinator.cli.options import NamespaceOption, console
+from coordinator.cli.options import NamespaceOption, console, unset_option
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
 from coordinator.launch import parse_gpus
 from coordinator.rendezvous.address import is_loopback
 from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
 from coordinator.service.model import Launcher
+
+
+# The types of serve's options that share a wording: the folders submitted paths must be
+# in, and the container launchers' images and etcd endpoints.
+def root_option(envvar: str, paths: str, default: str) -> Any:
+    """The type of an option naming the folder that submitted `paths` must be in (left
+    out: DATA_DIR/`default`)."""
+    return unset_option(Path, envvar, f"the folder {paths} must be in [DATA_DIR/{default}]")
+
+
+DataRootOption = root_option("COORDINATOR_DATA_ROOT", "jobs' data and eval_data paths", "data")
+ArtifactsRootOption = root_option("COORDINATOR_ARTIFACTS_ROOT", "jobs' artifacts", "artifacts")
+WorkingDirRootOption = root_option(
+    "COORDINATOR_WORKING_DIR_ROOT", "command jobs' working_dir", "work"
+)
+
+
+def image_option(launcher: str) -> Any:
+    """The type of an option naming the worker image that turns `launcher` on (left out:
+    it is off)."""
+    return Annotated[str | None, typer.Option(help=f"worker image: enables the {launcher}")]
+
+
+def reached_etcd_option(members: str) -> Any:
+    """The type of an option giving the etcd endpoints as `members` reach them, for when
+    --etcd's are not theirs (e.g. this host's loopback)."""
+    wording = f"etcd endpoints HOST:PORT[,...] as {members} reach them [--etcd]"
+    return Annotated[str | None, typer.Option(help=wording)]
+
+
+DockerImageOption = image_option("docker launcher (containers)")
+DockerHostOption = unset_option(
+    str, "DOCKER_HOST", "the engine's API, e.g. unix:///run/podman.sock"
+)
+DockerEtcdOption = reached_etcd_option("containers")
+K8sImageOption = image_option("kubernetes launcher (an Indexed Job)")
+K8sEtcdOption = reached_etcd_option("pods")
 
 
 @with_etcd_security
@@ -39,30 +76,9 @@ def serve(
             help="member logs, default artifacts, and the embedded etcd's data",
         ),
     ] = Path("coordinator-data"),
-    data_root: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="COORDINATOR_DATA_ROOT",
-            help="the folder jobs' data and eval_data paths must be in [DATA_DIR/data]",
-            show_default=False,
-        ),
-    ] = None,
-    artifacts_root: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="COORDINATOR_ARTIFACTS_ROOT",
-            help="the folder jobs' artifacts must be in [DATA_DIR/artifacts]",
-            show_default=False,
-        ),
-    ] = None,
-    working_dir_root: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="COORDINATOR_WORKING_DIR_ROOT",
-            help="the folder command jobs' working_dir must be in [DATA_DIR/work]",
-            show_default=False,
-        ),
-    ] = None,
+    data_root: DataRootOption = None,
+    artifacts_root: ArtifactsRootOption = None,
+    working_dir_root: WorkingDirRootOption = None,
     max_workers: Annotated[
         int, typer.Option(min=1, help="worker slots: jobs queue until theirs are free")
     ] = max(2, 2 * (os.cpu_count() or 1)),
@@ -105,21 +121,12 @@ def serve(
             "--max-txn-ops (128); a bigger placement on agents is written in chunks",
         ),
     ] = DEFAULT_MAX_TXN_OPS,
-    docker_image: Annotated[
-        str | None,
-        typer.Option(help="worker image: enables the docker launcher (containers)"),
-    ] = None,
+    docker_image: DockerImageOption = None,
     docker_network: Annotated[
         str, typer.Option(help="the containers' bridge network (created when missing)")
     ] = "coordinator",
-    docker_host: Annotated[
-        str | None,
-        typer.Option(envvar="DOCKER_HOST", help="the engine's API, e.g. unix:///run/podman.sock"),
-    ] = None,
-    docker_etcd: Annotated[
-        str | None,
-        typer.Option(help="etcd endpoints HOST:PORT[,...] as containers reach them [--etcd]"),
-    ] = None,
+    docker_host: DockerHostOption = None,
+    docker_etcd: DockerEtcdOption = None,
     docker_memory: Annotated[
         str, typer.Option(help="memory limit of each member container (e.g. 2g, 512m)")
     ] = "2g",
@@ -136,17 +143,12 @@ def serve(
             "such as trainer:* (repeatable) [only --docker-image]"
         ),
     ] = None,
-    k8s_image: Annotated[
-        str | None,
-        typer.Option(help="worker image: enables the kubernetes launcher (an Indexed Job)"),
-    ] = None,
+    k8s_image: K8sImageOption = None,
     k8s_namespace: Annotated[
         str | None,
         typer.Option(help="Kubernetes namespace of the Jobs [the pod's own, or kubeconfig's]"),
     ] = None,
-    k8s_etcd: Annotated[
-        str | None, typer.Option(help="etcd endpoints HOST:PORT[,...] as pods reach them [--etcd]")
-    ] = None,
+    k8s_etcd: K8sEtcdOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
     from coordinator.etcd.errors import EtcdError
@@ -242,31 +244,18 @@ def serve(
     if embedded is not None:
         security = embedded.security
         security.export()
+    # By concern: etcd; the local members; the API and placing; the container launchers.
     options = ServiceOptions(
-        etcd=endpoint,
-        namespace=namespace,
-        data_dir=data_dir,
-        max_workers=max_workers,
-        gpus=gpu_ids,
-        grace=grace,
-        member_ttl=member_ttl,
-        member_connect_timeout=member_connect_timeout,
-        tokens=tokens,
-        default_launcher=default_launcher,
-        max_txn_ops=max_txn_ops,
-        docker_image=docker_image,
-        docker_network=docker_network,
-        docker_host=docker_host,
-        docker_etcd=docker_etcd,
-        docker_memory=docker_memory,
-        docker_pids_limit=docker_pids_limit,
-        docker_artifacts=docker_artifacts,
+        etcd=endpoint, namespace=namespace, security=security,
+        data_dir=data_dir, max_workers=max_workers, gpus=gpu_ids, grace=grace,
+        member_ttl=member_ttl, member_connect_timeout=member_connect_timeout,
+        tokens=tokens, default_launcher=default_launcher, max_txn_ops=max_txn_ops,
+        docker_image=docker_image, docker_network=docker_network, docker_host=docker_host,
+        docker_etcd=docker_etcd, docker_memory=docker_memory,
+        docker_pids_limit=docker_pids_limit, docker_artifacts=docker_artifacts,
         allowed_images=tuple(allowed_image or ()),
-        k8s_image=k8s_image,
-        k8s_namespace=k8s_namespace,
-        k8s_etcd=k8s_etcd,
-        security=security,
-    )
+        k8s_image=k8s_image, k8s_namespace=k8s_namespace, k8s_etcd=k8s_etcd,
+    )  # fmt: skip
     try:
         service = Service(options)
     except EtcdError as exc:  # unreachable, or a TLS or auth setting refused
