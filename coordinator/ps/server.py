@@ -15,9 +15,9 @@ publishes (`published.PublishedWeights`). A pull takes the published buffer
 under the lock and sends it without the lock and without a copy, while further
 updates go on, and no trainer ever reads weights an update is half-way through.
 
-Every `checkpoint_every` updates the server writes its share, the optimizer
-state, its version and the trainers' clocks to a file (temporary name, then
-rename), from which a rerun with `resume` continues.
+Every `checkpoints.every` updates the server writes its share, the optimizer
+state, its version and the trainers' clocks to a file (`checkpoints.py`), from
+which a rerun that resumes continues.
 
 A connection reaches `handle` only after the member endpoint's handshake, so
 HELLO's fields are read from a peer that proved the round's secret; still every
@@ -35,12 +35,11 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from coordinator.files import replacing
 from coordinator.ps import wire
+from coordinator.ps.checkpoints import Checkpoints, Saved
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.ps.published import PublishedWeights
 from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
@@ -93,9 +92,7 @@ class ParameterServer:
         trainers: int,
         optimizer: OptimizerSpec,
         aggregate: bool = False,
-        checkpoint: Path | None = None,
-        checkpoint_every: int = 0,
-        resume: bool = False,
+        checkpoints: Checkpoints | None = None,
         max_updates: int | None = None,
     ) -> None:
         """`max_updates`: the most updates this run can apply (None: no bound); a PULL
@@ -113,14 +110,15 @@ class ParameterServer:
         self.trainers = {t: _Trainer() for t in range(trainers)}
         self.excused: set[int] = set()  # trainers the job goes on without
         self.log: list[Applied] = []
-        self.checkpoint, self.checkpoint_every = checkpoint, checkpoint_every
+        self.checkpoints = checkpoints
         self.resumed_from: int | None = None
         self.started = time.monotonic()
         self.changed = threading.Condition()
         self._steps: dict[int, _Step] = {}
         self._closed = False
-        if resume and checkpoint is not None and checkpoint.exists():
-            self._restore(checkpoint)
+        saved = checkpoints.to_resume(self.digest, trainers, self.size) if checkpoints else None
+        if saved is not None:
+            self._restore(saved)
         self.start_clocks = {t: s.clock for t, s in self.trainers.items()}
         self.last_version = None if max_updates is None else self.version + max_updates
 
@@ -299,7 +297,7 @@ class ParameterServer:
         self.weights.publish(updated)
         self.version += 1
         self.log.extend(rows)
-        if self.checkpoint_every and self.version % self.checkpoint_every == 0:
+        if self.checkpoints is not None and self.checkpoints.due(self.version):
             self._save_checkpoint()
         self.changed.notify_all()
 
@@ -339,35 +337,28 @@ class ParameterServer:
     # -- checkpoints --------------------------------------------------------
 
     def _save_checkpoint(self) -> None:
-        assert self.checkpoint is not None
-        state = {
-            "version": self.version,
-            "clocks": {t: s.clock for t, s in self.trainers.items()},
-            "params": self.weights.current,  # published: never written again
-            "optimizer": self.optimizer.state_dict(),
-            "layout": self.digest,
-        }
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(self.checkpoint) as partial:
-            torch.save(state, partial)
+        assert self.checkpoints is not None
+        self.checkpoints.save(
+            Saved(
+                version=self.version,
+                clocks={t: s.clock for t, s in self.trainers.items()},
+                params=self.weights.current,  # published: never written again
+                optimizer=self.optimizer.state_dict(),
+                layout=self.digest,
+            )
+        )
 
     def save_checkpoint(self) -> None:
         with self.changed:
-            if self.checkpoint is not None:
+            if self.checkpoints is not None:
                 self._save_checkpoint()
 
-    def _restore(self, path: Path) -> None:
-        state = torch.load(path, weights_only=True)  # tensors and numbers only: no code
-        if state["layout"] != self.digest or len(state["clocks"]) != len(self.trainers):
-            raise ValueError(
-                f"checkpoint {path} is of another model or trainer count "
-                f"({len(state['clocks'])} trainers); remove it or use another job id"
-            )
-        self.weights.current.copy_(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = self.resumed_from = int(state["version"])
-        for t, clock in state["clocks"].items():
-            self.trainers[int(t)].clock = int(clock)
+    def _restore(self, saved: Saved) -> None:
+        self.weights.current.copy_(saved.params.reshape(-1))
+        self.optimizer.load_state_dict(saved.optimizer)
+        self.version = self.resumed_from = saved.version
+        for t, clock in saved.clocks.items():
+            self.trainers[t].clock = clock
 
     # -- reading it ---------------------------------------------------------
 

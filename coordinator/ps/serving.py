@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from coordinator.files import write_private
+from coordinator.ps.checkpoints import Checkpoints
 from coordinator.ps.model import server_tensors
 from coordinator.ps.optim import OptimizerSpec
 from coordinator.ps.peers import Peers
@@ -168,7 +169,10 @@ def serve(
         raise ValueError(f"serve: trainers must be >= 1, got {trainers}")
     if checkpoint_every < 0:
         raise ValueError(f"serve: checkpoint_every must be >= 0, got {checkpoint_every}")
-    checkpoint = None if checkpoint_dir is None else Path(checkpoint_dir) / f"server-{index}.pt"
+    checkpoints = None
+    if checkpoint_dir is not None:
+        path = Path(checkpoint_dir) / f"server-{index}.pt"
+        checkpoints = Checkpoints(path, every=checkpoint_every, resume=resume)
     core = ParameterServer(
         job_id=peers.job_id if peers else "local",
         round_=peers.round if peers else 0,
@@ -177,9 +181,7 @@ def serve(
         trainers=trainers,
         optimizer=optimizer or OptimizerSpec("sgd", 0.02),
         aggregate=aggregate,
-        checkpoint=checkpoint,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
+        checkpoints=checkpoints,
         max_updates=max_updates,
     )
     return Server(core)
