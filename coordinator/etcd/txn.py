@@ -134,12 +134,21 @@ class Empty(_Condition):
 Guard = ValueIs | CreatedAt | QuietSince | Unchanged | Empty
 
 
-# Each operation fills a `RequestOp` in place (`into`): building a transaction's
-# messages in place instead of copying them in costs half as much.
+class _Operation:
+    """Each operation fills a `RequestOp` in place (`into`): building a transaction's
+    messages in place instead of copying them in costs half as much."""
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        raise NotImplementedError
+
+    def request(self) -> etcdrpc.RequestOp:
+        op = etcdrpc.RequestOp()
+        self.into(op)
+        return op
 
 
 @dataclass(frozen=True)
-class Put:
+class Put(_Operation):
     key: str
     value: bytes | str
     lease: int = 0
@@ -149,24 +158,18 @@ class Put:
         put.SetInParent()  # a put of empty values is still a put
         put.key, put.value, put.lease = self.key.encode(), to_bytes(self.value), self.lease
 
-    def request(self) -> etcdrpc.RequestOp:
-        return _request(self)
-
 
 @dataclass(frozen=True)
-class Delete:
+class Delete(_Operation):
     key: str
 
     def into(self, op: etcdrpc.RequestOp) -> None:
         op.request_delete_range.SetInParent()
         op.request_delete_range.key = self.key.encode()
 
-    def request(self) -> etcdrpc.RequestOp:
-        return _request(self)
-
 
 @dataclass(frozen=True)
-class First:
+class First(_Operation):
     """The lowest key in `[start, end)`."""
 
     start: str
@@ -177,24 +180,18 @@ class First:
         first.SetInParent()
         first.key, first.range_end, first.limit = self.start.encode(), self.end, 1
 
-    def request(self) -> etcdrpc.RequestOp:
-        return _request(self)
-
 
 @dataclass(frozen=True)
-class Get:
+class Get(_Operation):
     key: str
 
     def into(self, op: etcdrpc.RequestOp) -> None:
         op.request_range.SetInParent()
         op.request_range.key = self.key.encode()
 
-    def request(self) -> etcdrpc.RequestOp:
-        return _request(self)
-
 
 @dataclass(frozen=True)
-class When:
+class When(_Operation):
     """A nested transaction: `ops` run only if every condition holds.
 
     Values compare as bytes, so fixed-width numbers compare as numbers; a
@@ -213,14 +210,5 @@ class When:
         for inner in self.ops:
             inner.into(nested.success.add())
 
-    def request(self) -> etcdrpc.RequestOp:
-        return _request(self)
-
 
 TxnOp = Put | Delete | First | Get | When
-
-
-def _request(operation: TxnOp) -> etcdrpc.RequestOp:
-    op = etcdrpc.RequestOp()
-    operation.into(op)
-    return op
