@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from coordinator.die_with_parent import die_with_parent
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.users import ROOT, new_password, write_password_file
 
@@ -144,9 +145,10 @@ class EmbeddedEtcd:
         descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(descriptor, "ab") as log:
             # A process group of its own: Ctrl-C in a terminal reaches us, and we
-            # stop etcd ourselves, in order, instead of racing the signal.
+            # stop etcd ourselves, in order, instead of racing the signal. Killed with
+            # us (SIGKILL, or a SIGTERM that skips our cleanup): never an orphan.
             self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                die_with_parent(args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
             self._wait_healthy()

@@ -10,24 +10,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from coordinator.die_with_parent import die_with_parent as die_with_parent_argv
 from coordinator.launch.command import WorkerCommand
-
-# Run first in a member that must die with its parent: asks the kernel for SIGKILL when
-# the thread that started it ends (prctl PR_SET_PDEATHSIG = 1, kept across exec), leaves
-# if that parent is already gone, then becomes the worker. A fresh interpreter does this,
-# not code run between fork and exec: there it would share the parent's gRPC state,
-# whose fork handlers abort the child now and then.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
-)
 
 
 def start_process(
@@ -44,10 +32,10 @@ def start_process(
     """`coordinator worker` as `command` says, in this environment plus the command's
     variables (and `extra_env`, which wins). `own_session`: its own process group and no
     terminal signals (it outlives a Ctrl-C aimed at us); `die_with_parent`: killed when
-    the thread that started it ends (see `_DIE_WITH_PARENT`)."""
+    the thread that started it ends (`coordinator.die_with_parent`)."""
     argv = command.process_argv()
     if die_with_parent:
-        argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv[1:]]
+        argv = die_with_parent_argv(argv)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **command.env(), **(extra_env or {})}
     return subprocess.Popen(
         argv,

@@ -222,6 +222,45 @@ def test_embedded_etcd_removes_its_own_data_dir() -> None:
         os.kill(pid, 0)
 
 
+OWNER_OF_AN_ETCD = """
+import sys, time
+from coordinator.etcd.server import EmbeddedEtcd
+server = EmbeddedEtcd(data_dir=sys.argv[1], auth=False).start()
+print(server.process.pid, flush=True)
+time.sleep(600)  # until the test kills it: no cleanup of ours runs
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is not: it waits only for its parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_embedded_etcd_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """SIGKILL skips every cleanup of the owner's: the kernel still stops its etcd."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_OF_AN_ETCD, str(tmp_path / "etcd")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    etcd_pid = 0
+    try:
+        assert owner.stdout is not None
+        etcd_pid = int(owner.stdout.readline())
+        assert _alive(etcd_pid) and Path(f"/proc/{etcd_pid}/exe").resolve().name == "etcd"
+        owner.kill()
+        owner.wait(timeout=10)
+        wait_until(lambda: not _alive(etcd_pid), 10, "the orphaned etcd to be killed")
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
+        if etcd_pid and _alive(etcd_pid):
+            os.kill(etcd_pid, 9)
+
+
 CALL_AFTER_MOVE = """
 import sys
 from pyetcd import etcdrpc

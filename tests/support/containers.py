@@ -190,7 +190,7 @@ def build_worker_image(python_base: str, extras: str = WORKER_EXTRAS) -> str:
         REPO / "worker_image" / "Dockerfile",
         REPO / "pyproject.toml",
         REPO / "README.md",
-        *(REPO / "coordinator").rglob("*.py"),
+        *_package_files(),
     ]
     tag = f"{IMAGE_PREFIX}/worker:{_digest(sources, python_base, extras)}"
     if _exists(tag):
@@ -214,6 +214,16 @@ def build_worker_image(python_base: str, extras: str = WORKER_EXTRAS) -> str:
         )  # fmt: skip
     _remove_superseded(f"{IMAGE_PREFIX}/worker", tag)
     return tag
+
+
+def _package_files() -> list[Path]:
+    """Every file of the package, its data too (the kinds' catalog.toml, the dashboard):
+    what the image installs, and what its tag must change with."""
+    return sorted(
+        path
+        for path in (REPO / "coordinator").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    )
 
 
 def _remove_superseded(repository: str, keep: str) -> None:
