@@ -73,7 +73,8 @@ class ServerTls:
 
 class EmbeddedEtcd:
     """Start with `start()` (or a `with` block); `endpoint` is then `127.0.0.1:PORT`,
-    or `https://127.0.0.1:PORT` with `tls`."""
+    or `https://127.0.0.1:PORT` with `tls`. It is killed with the thread that started
+    it unless `outlives_owner` (the service's own etcd, found again when it restarts)."""
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class EmbeddedEtcd:
         extra_args: list[str] | None = None,
         tls: ServerTls | None = None,
         auth: bool = True,
+        outlives_owner: bool = False,
     ) -> None:
         if auth and tls is not None:
             raise EtcdServerError(
@@ -102,6 +104,7 @@ class EmbeddedEtcd:
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
         self.auth = auth
         self.password_file = self.data_dir / "root.password"
+        self.outlives_owner = outlives_owner
 
     @property
     def security(self) -> EtcdSecurity:
@@ -148,7 +151,10 @@ class EmbeddedEtcd:
             # stop etcd ourselves, in order, instead of racing the signal. Killed with
             # us (SIGKILL, or a SIGTERM that skips our cleanup): never an orphan.
             self.process = subprocess.Popen(
-                die_with_parent(args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args if self.outlives_owner else die_with_parent(args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         try:
             self._wait_healthy()

@@ -32,7 +32,7 @@ class ServiceEtcd:
             return
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         data_dir.chmod(0o700)  # logs, artifacts and the way to etcd's root password
-        self.server = EmbeddedEtcd(data_dir / "etcd").start()
+        self.server = EmbeddedEtcd(data_dir / "etcd", outlives_owner=True).start()
         assert self.server.process is not None
         pid = self.server.process.pid
         self.endpoint, self.security = self.server.endpoint, self.server.security
