@@ -96,10 +96,11 @@ def test_a_status_is_named_by_its_exit_code_or_signal() -> None:
 # -- real members --------------------------------------------------------------
 
 
-def torchrun(port: int, script: list[str]) -> list[subprocess.Popen[str]]:
+def torchrun(port: int, script: list[str], tmp: Path) -> list[subprocess.Popen[str]]:
     """Three torchrun agents, one node each, on loopback. Their node ranks are given
     (torchrun's static rendezvous): what is compared is training, and three c10d agents
-    racing for one store on one host now and then never met within the test's minutes."""
+    racing for one store on one host now and then never met within the test's minutes.
+    Their TMPDIR is `tmp`: torchrun leaves a log folder there that it never removes."""
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(port),
@@ -111,13 +112,14 @@ def torchrun(port: int, script: list[str]) -> list[subprocess.Popen[str]]:
             stderr=subprocess.DEVNULL,
             text=True,
             cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(tmp)},
         )
         for node in range(3)
     ]
 
 
 def test_the_ddp_example_trains_as_under_torchrun(
-    etcd_server: EmbeddedEtcd, etcd: Etcd, launch: Callable[..., Run]
+    etcd_server: EmbeddedEtcd, etcd: Etcd, launch: Callable[..., Run], tmp_path: Path
 ) -> None:
     script = ["examples/ddp_mnist.py", "--steps", "3"]
     ours = launch(
@@ -127,7 +129,7 @@ def test_the_ddp_example_trains_as_under_torchrun(
     ours_code = ours.wait(120)  # done before torchrun starts: no port both may take
     outputs: list[str] = []
     for _ in range(2):  # the reference itself fails now and then here: it gets a second go
-        theirs = torchrun(free_port(), script)
+        theirs = torchrun(free_port(), script, tmp_path)
         try:  # (it takes ~15 s; now and then its agents hang after training, past any limit)
             outputs = [p.communicate(timeout=60)[0] for p in theirs]
         except subprocess.TimeoutExpired:
