@@ -50,6 +50,7 @@ from coordinator.service.leadership import Leadership
 from coordinator.service.model import JobSpec, JobState, Launcher
 from coordinator.service.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.store import JobStore
+from tests.support.signing import key_files, session_signer
 from tests.support.wait import wait_until
 
 AGENTS = 4
@@ -62,6 +63,7 @@ def start_agents(endpoint: str, data: Path, slots: int) -> list[subprocess.Popen
             sys.executable, "-m", "coordinator", "agent", "--etcd", endpoint,
             "--namespace", NAMESPACE, "--id", f"bench-{n}", "--slots", str(slots),
             "--data-dir", str(data / f"agent-{n}"), "--ttl", "5",
+            "--service-key", str(key_files()[1]),  # what the bench's services sign with
         ]  # fmt: skip
         log = open(data / f"agent-{n}.log", "wb")  # noqa: SIM115 (the process holds it)
         agents.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
@@ -121,10 +123,10 @@ def scheduler_pass(endpoint: str, jobs: int, agents: int, seed: int) -> Table:
     logging.getLogger("coordinator").setLevel(logging.ERROR)  # the agents here serve no output
     with Etcd(endpoint, namespace=f"/bench-sched-{os.getpid()}") as etcd:
         session = Session(etcd, 60)
-        store = JobStore(etcd, mirror=True)
+        store = JobStore(etcd, session_signer(), mirror=True)
         leadership = Leadership(etcd, "bench", 5)
         settings = ReconcilerSettings(etcd=endpoint, namespace=etcd.namespace, max_workers=1)
-        launchers = {Launcher.AGENTS: AgentsLauncher(etcd)}
+        launchers = {Launcher.AGENTS: AgentsLauncher(etcd, session_signer())}
         reconciler = Reconciler(etcd, store, launchers, settings, leadership)  # type: ignore[arg-type]
         try:
             for n in range(agents):

@@ -64,6 +64,7 @@ from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.server import free_port
 from coordinator.jobs.private_folder import PREFIX as PRIVATE_PREFIX
 from tests.support.etcd_cluster import EtcdCluster, Link
+from tests.support.signing import key_files
 from tests.support.wait import WaitTimeout, wait_until
 
 console = Console(width=150)
@@ -205,6 +206,7 @@ class Soak:
             "--etcd", link.endpoints, "--namespace", self.namespace, "--data-dir", str(data),
             "--token-file", str(self.token_file), "--default-launcher", "agents",
             "--member-ttl", str(MEMBER_TTL), "--grace", "3", "--max-workers", "4",
+            "--signing-key", str(key_files()[0]),  # one key for both replicas
         ]  # fmt: skip
 
     def _agent_args(self, name: str, data: Path, link: Link) -> Callable[[], list[str]]:
@@ -212,6 +214,7 @@ class Soak:
             sys.executable, "-m", "coordinator", "agent", "--etcd", link.endpoints,
             "--namespace", self.namespace, "--id", name, "--slots", str(AGENT_SLOTS),
             "--data-dir", str(data), "--ttl", str(SERVICE_TTL),
+            "--service-key", str(key_files()[1]),
         ]  # fmt: skip
 
     def http(self, replica: Restartable) -> httpx.Client:

@@ -11,6 +11,11 @@ does), then alternates, `--repeat` times each, over the same steps with no compu
   client of its own, then `steps.wait(c)` + `steps.done(c + 1)`: the program's
   `AttachedMember`, keys on the borrowed lease, the same decision code.
 
+With `--proxied`, a third path runs alternated with those: the same user code, but
+its client reaches etcd through the member's proxy (`coordinator.etcd.proxy`, a
+unix socket, the member's credentials), as a `command` job's program does; the
+table then adds its ms/step and its ratio to the direct user path.
+
 A named barrier lines all members up before each run. Per run: wall seconds per
 step (the job's: first start to last end, over the steps) and CPU seconds per
 check (each member's own process time over its steps, mean over members). The
@@ -18,15 +23,19 @@ ratio user/built-in is of the medians, in the same run.
 
     python bench/context.py                               # P = 4, 16; every method
     python bench/context.py --sizes 4 --methods bsp,ssp --steps 100 --repeat 3
+    python bench/context.py --proxied                     # + through the member's proxy
+    python bench/context.py --calls                       # the proxy's cost per call
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,7 +51,11 @@ from coordinator.barriers.live import LiveBarrier
 from coordinator.barriers.policy import BarrierSpec
 from coordinator.context import Context
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.proxy import EtcdProxy
+from coordinator.etcd.scope import Scope
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
+from coordinator.keys import job_path
 from coordinator.program_steps import check_steps
 from coordinator.rendezvous.member import Member
 
@@ -95,31 +108,78 @@ def program_environment(joined: Member, endpoint: str, namespace: str, folder: P
 
 def member(
     endpoint: str, namespace: str, p: int, method: str, beta: int, steps: int, repeat: int,
-    folder: str,
+    folder: str, proxied: bool = False,
 ) -> dict[str, list[tuple[float, float, float]]]:  # fmt: skip
-    """One member process: rendezvous, then built-in and user-code runs, alternated;
-    per path, (began, ended, CPU seconds) of each run."""
+    """One member process: rendezvous, then built-in and user-code runs (and proxied
+    user-code runs), alternated; per path, (began, ended, CPU seconds) of each run.
+
+    With `proxied` both user paths run in a program process of the member's own (as a
+    `command` job's program does), the proxy in the member: they share no interpreter."""
     args = method_args(method, beta)
     spec, _ = check_steps(
         method, args.get("staleness", 0), args.get("sample", 0),
         args.get("staleness_upper", 0), "fail", p,
     )  # fmt: skip
-    runs: dict[str, list[tuple[float, float, float]]] = {"builtin": [], "user": []}
+    runs: dict[str, list[tuple[float, float, float]]] = {"builtin": [], "user": [], "proxied": []}
     with (
         Etcd(endpoint, namespace=namespace) as etcd,
         Member(etcd, JOB, p, ttl=10, timeout=120) as joined,
     ):
         joined.rendezvous()
-        ctx = Context(program_environment(joined, endpoint, namespace, Path(folder)))
-        for i in range(repeat):
-            joined.barrier(f"builtin-{i}")
-            runs["builtin"].append(builtin_run(joined, spec, steps, i))
-            joined.barrier(f"user-{i}")
-            runs["user"].append(user_run(ctx, args, method, steps))
-        joined.barrier("end")
-        ctx.close()
+        direct = program_environment(joined, endpoint, namespace, Path(folder))
+        if not proxied:
+            ctx = Context(direct)
+            for i in range(repeat):
+                joined.barrier(f"builtin-{i}")
+                runs["builtin"].append(builtin_run(joined, spec, steps, i))
+                joined.barrier(f"user-{i}")
+                runs["user"].append(user_run(ctx, args, method, steps))
+            joined.barrier("end")
+            ctx.close()
+            joined.cleaner()
+            return runs
+        # The member's proxy, as a `command` member runs it for its program.
+        scope = Scope(
+            f"{etcd.namespace}/{job_path(JOB)}".encode(), attachable=frozenset({joined.lease_id})
+        )
+        sockets = Path(tempfile.mkdtemp(prefix="bx-", dir="/tmp"))
+        proxy = EtcdProxy(etcd, scope, sockets / f"{joined.rank}.sock").start()
+        envs = {"user": direct, "proxied": program_environment(
+            joined, proxy.endpoint, namespace, Path(folder))}  # fmt: skip
+        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        child = multiprocessing.get_context("spawn").Process(
+            target=program, args=(theirs, envs, args, method, steps)
+        )
+        child.start()
+        try:
+            for i in range(repeat):
+                joined.barrier(f"builtin-{i}")
+                runs["builtin"].append(builtin_run(joined, spec, steps, i))
+                for path in ("user", "proxied"):
+                    joined.barrier(f"{path}-{i}")
+                    ours.send(path)
+                    runs[path].append(ours.recv())
+            joined.barrier("end")
+            ours.send(None)
+            child.join(30)
+        finally:
+            if child.is_alive():
+                child.kill()
+            proxy.close()
+            shutil.rmtree(sockets, ignore_errors=True)
         joined.cleaner()
     return runs
+
+
+def program(
+    conn: Any, envs: dict[str, dict[str, str]], args: dict[str, Any], method: str, steps: int
+) -> None:
+    """A member's program process: one run of the path its member names, until None."""
+    contexts = {path: Context(env) for path, env in envs.items()}
+    while (path := conn.recv()) is not None:
+        conn.send(user_run(contexts[path], args, method, steps))
+    for ctx in contexts.values():
+        ctx.close()
 
 
 def builtin_run(joined: Member, spec: BarrierSpec, steps: int, i: int) -> tuple[float, ...]:
@@ -147,17 +207,34 @@ def user_run(ctx: Context, args: dict[str, Any], method: str, steps: int) -> tup
     return began, ended, cpu
 
 
+def _to_queue(queue: Any, work: tuple[Any, ...]) -> None:
+    queue.put(member(*work))
+
+
 def measure(
-    endpoint: str, p: int, method: str, beta: int, steps: int, repeat: int
+    endpoint: str, p: int, method: str, beta: int, steps: int, repeat: int, proxied: bool
 ) -> dict[str, dict[str, float]]:
     """Per path: median wall seconds per step and median CPU seconds per check."""
     namespace = f"/bench-{uuid.uuid4().hex[:8]}"
     context = multiprocessing.get_context("spawn")  # no fork: the parent holds gRPC threads
-    with tempfile.TemporaryDirectory() as folder, context.Pool(p) as pool:
-        work = [(endpoint, namespace, p, method, beta, steps, repeat, folder)] * p
-        results = pool.starmap(member, work)
+    work = (endpoint, namespace, p, method, beta, steps, repeat)
+    with tempfile.TemporaryDirectory() as folder:
+        if proxied:  # (members start program processes: no pool, whose workers cannot)
+            queue = context.Queue()
+            members = [
+                context.Process(target=_to_queue, args=(queue, (*work, folder, True)))
+                for _ in range(p)
+            ]
+            for started in members:
+                started.start()
+            results = [queue.get(timeout=1800) for _ in members]
+            for started in members:
+                started.join(30)
+        else:
+            with context.Pool(p) as pool:
+                results = pool.starmap(member, [(*work, folder)] * p)
     out: dict[str, dict[str, float]] = {}
-    for path in ("builtin", "user"):
+    for path in ("builtin", "user", "proxied") if proxied else ("builtin", "user"):
         walls, cpus = [], []
         for i in range(repeat):
             runs = [r[path][i] for r in results]
@@ -167,20 +244,73 @@ def measure(
     return out
 
 
+def per_call(server: EmbeddedEtcd, calls: int = 300) -> None:
+    """The proxy's own cost, per call: a put's round trip and a watch event's delivery,
+    direct and through the proxy (one process, alternated twice), medians in ms."""
+    member_etcd = Etcd(server.endpoint, namespace="/calls", security=server.security)
+    lease = member_etcd.grant_lease(60)
+    scope = Scope(f"/calls/{job_path(JOB)}".encode(), attachable=frozenset({lease}))
+    sockets = Path(tempfile.mkdtemp(prefix="bx-", dir="/tmp"))
+    proxy = EtcdProxy(member_etcd, scope, sockets / "calls.sock").start()
+    clients = {
+        "direct": Etcd(server.endpoint, namespace="/calls", security=server.security),
+        "proxied": Etcd(proxy.endpoint, namespace="/calls", probe=job_path(JOB),
+                        security=EtcdSecurity()),
+    }  # fmt: skip
+    key = f"/calls/{job_path(JOB)}"
+    try:
+        for name in ("direct", "proxied", "direct", "proxied"):
+            client = clients[name]
+            puts = []
+            for i in range(calls):
+                began = time.perf_counter()
+                client.put(f"{key}k{i % 5}", "x", lease=lease)
+                puts.append(time.perf_counter() - began)
+            seen = threading.Event()
+            watch = client.watch(f"{key}w", lambda _, seen=seen: seen.set(), 0)
+            events = []
+            for i in range(calls // 3):
+                seen.clear()
+                began = time.perf_counter()
+                member_etcd.put(f"{key}w", str(i))
+                seen.wait(5)
+                events.append(time.perf_counter() - began)
+            watch.cancel()
+            console.print(
+                f"{name}: put {statistics.median(puts) * 1e3:.2f} ms, "
+                f"watch event {statistics.median(events) * 1e3:.2f} ms (medians)"
+            )
+    finally:
+        for client in clients.values():
+            client.close()
+        proxy.close()
+        member_etcd.close()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
 def main(
     sizes: str = typer.Option("4,16", help="comma-separated P values"),
     methods: str = typer.Option("bsp,ssp,asp,pbsp,pssp,dssp", help="comma-separated methods"),
     steps: int = typer.Option(60, help="steps per run"),
     repeat: int = typer.Option(3, help="runs of each path, alternated; medians count"),
     beta: int = typer.Option(2, help="pBSP and pSSP sample size"),
+    proxied: bool = typer.Option(False, help="also user code through the member's proxy"),
+    calls: bool = typer.Option(False, help="only the proxy's cost per put and watch event"),
 ) -> None:
+    if calls:
+        with EmbeddedEtcd() as server:
+            per_call(server)
+        return
     chosen = [m.strip() for m in methods.split(",") if m.strip()]
     for name in chosen:
         method_args(name, beta)
     table = Table(title=f"step barrier check, no compute: user code (ctx.steps) / built-in "
                   f"(LiveBarrier); {steps} steps, median of {repeat} alternated runs")  # fmt: skip
-    for column in ("P", "method", "built-in ms/step", "user ms/step", "ratio",
-                   "built-in CPU ms/check", "user CPU ms/check", "CPU ratio"):  # fmt: skip
+    columns = ["P", "method", "built-in ms/step", "user ms/step", "ratio",
+               "built-in CPU ms/check", "user CPU ms/check", "CPU ratio"]  # fmt: skip
+    if proxied:
+        columns += ["proxied ms/step", "proxied/user", "proxied CPU ms/check", "CPU proxied/user"]
+    for column in columns:
         table.add_column(column, justify="right")
     with EmbeddedEtcd() as server:
         server.security.export()  # members and programs log in as root (auth is on)
@@ -188,16 +318,23 @@ def main(
             for name in chosen:
                 if p - 1 < beta and name.startswith("p"):
                     continue
-                got = measure(server.endpoint, p, name, beta, steps, repeat)
+                got = measure(server.endpoint, p, name, beta, steps, repeat, proxied)
                 b, u = got["builtin"], got["user"]
-                table.add_row(
+                row = [
                     str(p), name,
                     f"{b['wall'] * 1e3:.2f}", f"{u['wall'] * 1e3:.2f}",
                     f"{u['wall'] / b['wall']:.2f}",
                     f"{b['cpu'] * 1e3:.2f}", f"{u['cpu'] * 1e3:.2f}",
                     f"{u['cpu'] / b['cpu']:.2f}",
-                )  # fmt: skip
-                console.print(f"P={p} {name}: ratio {u['wall'] / b['wall']:.2f}")
+                ]  # fmt: skip
+                said = f"P={p} {name}: ratio {u['wall'] / b['wall']:.2f}"
+                if proxied:
+                    x = got["proxied"]
+                    row += [f"{x['wall'] * 1e3:.2f}", f"{x['wall'] / u['wall']:.2f}",
+                            f"{x['cpu'] * 1e3:.2f}", f"{x['cpu'] / u['cpu']:.2f}"]  # fmt: skip
+                    said += f", proxied/user {x['wall'] / u['wall']:.2f}"
+                table.add_row(*row)
+                console.print(said)
     console.print(table)
 
 

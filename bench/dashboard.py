@@ -56,6 +56,7 @@ from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.support.dashboard import VIEWPORT, Watched, launch
 from tests.support.service import ServiceProc, kill_members
+from tests.support.signing import session_signer
 from tests.support.wait import wait_until
 
 console = Console(width=130)
@@ -97,7 +98,7 @@ def report_page(name: str, page: Watched) -> None:
 
 def fill(etcd: Etcd, count: int) -> None:
     """`count` finished jobs, written as the service writes them (JobStore, state by state)."""
-    store = JobStore(etcd)
+    store = JobStore(etcd, session_signer())  # the key ServiceProc's service verifies with
     began = time.time() - 86_400
     finals = [JobState.SUCCEEDED] * 8 + [JobState.FAILED, JobState.CANCELLED]
     for n in range(count):

@@ -1,5 +1,5 @@
-"""Kill drill: SIGKILL one member of a live job at a random moment, and check what the README
-promises ("Failure semantics") still holds.
+"""Kill drill: SIGKILL one member of a live job at a random moment, and check that what
+docs/rendezvous.md promises ("Failure semantics") still holds.
 
     python bench/drill.py                     # 100 trials against an embedded etcd
     python bench/drill.py --trials 10 --seed 7

@@ -18,15 +18,16 @@ added: the trace holds it), under the same barrier decisions, and predicts:
 
     python bench/predict.py                               # bsp, ssp, asp; 1 seed
     python bench/predict.py --methods all --seeds 3 --trainers 3 --straggler both \
-        --out docs/methods/live                           # the live comparison (~15 min)
+        --momentum 0.5 --update-rule plain --out docs/methods/live   # updates as given
     python bench/predict.py --replot --out docs/methods/live
+    python bench/predict.py --methods all --seeds 3 --trainers 3 --epochs 5 \
+        --straggler on --targets 0.85,0.9 --out docs/methods/live_defaults   # at the
+        # defaults (docs/methods/update_rules.md), ~29 min
 
-The optimizer is SGD with lr 0.02 and momentum 0.5, not the job's default momentum
-0.9: with 3 trainers applying gradients one by one, momentum 0.9 is on the edge of
-stability, and whether a run diverges depends on the exact order in which gradients
-land (simulated runs of one seed diverge with one order and reach 0.93 with another),
-which a live run and its replay share only in distribution. With momentum 0.5 the order
-changes the accuracy by about 0.01.
+The optimizer is the job's default (SGD lr 0.02, momentum 0.9, each method's default
+update rule, docs/methods/update_rules.md) unless --lr, --momentum or --update-rule say
+otherwise. (Before the update rules, momentum 0.9 with gradients applied one by one was
+on the edge of stability, and runs were made with momentum 0.5.)
 
 With `--out`: `runs.json` (every run, its curves), `live_vs_simulated.md` and `.csv`
 (per method and setting: live and predicted time to each target, mean and 95 %
@@ -79,6 +80,7 @@ def simulate_live(
         delay=Trace(trace),
         seed=options.seed,
         optimizer=options.optimizer,
+        rule=options.rule,
         aggregate=options.aggregate,
         eval_seconds=eval_seconds,
         transfer=NO_TRANSFER,
@@ -283,8 +285,9 @@ def main(
     straggler: Annotated[str, typer.Option(help="the last trainer 3x slower: off, on or both")] = (
         "off"
     ),
-    lr: Annotated[float, typer.Option(min=0.0)] = 0.02,
-    momentum: Annotated[float, typer.Option(min=0.0, max=0.99, help="(why not 0.9: above)")] = 0.5,
+    lr: Annotated[float | None, typer.Option(min=0.0, help="default: the job's")] = None,
+    momentum: Annotated[float | None, typer.Option(min=0.0, max=0.99)] = None,
+    update_rule: Annotated[str | None, typer.Option(help="default: the method's")] = None,
     out: Annotated[Path | None, typer.Option(help="write the tables, runs and plot here")] = None,
     replot: Annotated[bool, typer.Option(help="only redo tables and plot from --out")] = False,
 ) -> None:
@@ -302,13 +305,15 @@ def main(
         ) from None
     if not wanted or not all(0 < t <= 1 for t in wanted):
         raise typer.BadParameter("each target must lie in (0, 1]", param_hint="--targets")
+    given = {"lr": lr, "momentum": momentum, "update_rule": update_rule}
+    optimizer = {name: str(value) for name, value in given.items() if value is not None}
     if replot:
         if out is None:
             raise typer.BadParameter("--replot needs --out", param_hint="--out")
         records = json.loads((out / "runs.json").read_text())
     else:
         records = live_runs(chosen, SETTINGS[straggler], seeds, trainers, epochs, eval_seconds,
-                            wanted, {"lr": str(lr), "momentum": str(momentum)})  # fmt: skip
+                            wanted, optimizer)  # fmt: skip
     names = list(records[0]["targets"])
     console.print(per_run_table(records, names))
     rows = summary_rows(records, names)

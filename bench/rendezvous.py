@@ -26,7 +26,7 @@ N = 10,000, from a roster built here.
 
     python bench/rendezvous.py                                  # N = 16, 64, 256, 1000
     python bench/rendezvous.py --sizes 16,64 --processes 2 --skip-torch
-    python bench/rendezvous.py --sizes 512 --skip-torch --ttl 30  # 2 shared cores: see README
+    python bench/rendezvous.py --sizes 512 --skip-torch --ttl 30  # docs/performance.md
 """
 
 from __future__ import annotations

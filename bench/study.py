@@ -94,6 +94,7 @@ _DATA: dict[tuple[int, int | None], object] = {}
 def _train(job: dict) -> object:
     from coordinator.datasets.mnist import parse_mnist
     from coordinator.ps.optim import OptimizerSpec
+    from coordinator.ps.rules import UpdateRule
     from coordinator.simulator import training
     from coordinator.simulator.training_data import TrainingData
 
@@ -110,6 +111,7 @@ def _train(job: dict) -> object:
         delay=parse_delay(job["delay"]),
         seed=job["seed"],
         optimizer=OptimizerSpec("sgd", job["lr"], job["momentum"]),
+        rule=UpdateRule("plain"),  # the papers' updates: as given (update_rules.py: fair ones)
         aggregate=aggregate,
         eval_seconds=job["eval_seconds"],
         stop_accuracy=job["stop"],

@@ -194,7 +194,7 @@ def etcd_v2_server(timeout_s: float = 30.0) -> Iterator[str]:
     """Run a throwaway single-node etcd with the v2 API; yield its ``host:port``.
 
     torch's etcd backends speak only the v2 API, which etcd 3.5 serves only
-    with ``--enable-v2``.  Both URLs are advertised on loopback so that
+    with ``--enable-v2``.  The client URL is advertised on loopback so that
     python-etcd's machine discovery never learns another address.  The server
     is killed and its data dir removed on exit, whatever happens.
     """
@@ -202,7 +202,9 @@ def etcd_v2_server(timeout_s: float = 30.0) -> Iterator[str]:
     if binary is None:
         raise EtcdStartError("etcd binary not on PATH")
     client_url = f"http://{LOOPBACK}:{_free_port()}"
-    peer_url = f"http://{LOOPBACK}:{_free_port()}"
+    # Raft peers on a unix socket in the (0700) data dir, etcd running there: no peer
+    # port for another local user to post raft messages to.
+    peer_url = "unix://peer:1"
     with (
         tempfile.TemporaryDirectory(prefix="torch-elastic-etcd-") as data_dir,
         tempfile.TemporaryFile() as log,
@@ -223,6 +225,7 @@ def etcd_v2_server(timeout_s: float = 30.0) -> Iterator[str]:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=log,
+            cwd=data_dir,
         )
         try:
             deadline = time.monotonic() + timeout_s

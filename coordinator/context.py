@@ -12,8 +12,10 @@ and offers what the built-in jobs use:
 - `checkpoint_dir()` and `attempt`, for a restarted attempt to resume;
 - `xgboost()`: XGBoost's collective, the tracker on rank 0 (`xgboost_collective`).
 
-It connects to etcd (with the member's own etcd user, from the environment)
-only when a call needs it, so a program that only reports needs no etcd.
+It connects to etcd only when a call needs it, so a program that only reports
+needs no etcd; in a `command` job it connects through its member's proxy
+(COORDINATOR_ETCD=`unix:<socket>`, coordinator.etcd.proxy), holding no etcd
+credentials of its own.
 See docs/api.md for the guarantees of each call.
 """
 
@@ -32,7 +34,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.connection import UNIX
 from coordinator.etcd.names import check_name
+from coordinator.etcd.security import EtcdSecurity
 from coordinator.events import REPORTS_FD_ENV, Report, write_line
 from coordinator.keys import job_path
 from coordinator.program_steps import Steps, check_ranks, check_steps, check_stop
@@ -139,6 +143,8 @@ class Context:
                     namespace=self._namespace,
                     probe=self._probe,
                     retry_window=self._etcd_wait,
+                    # (through the member's proxy no credentials are sent: it has them)
+                    security=EtcdSecurity() if self._endpoints.startswith(UNIX) else None,
                 )
                 self._member = AttachedMember(
                     self._etcd,

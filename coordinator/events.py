@@ -26,17 +26,24 @@ A program may report `report` events only (`PROGRAM_EVENTS`): its member relays
 each line of the program's output (`coordinator.jobs.relay`), re-emitting a valid
 report under the member's own rank and wrapping any other line that claims to be
 an event as `output`, so a program cannot forge its member's phase or outcome.
+
+Lines end at `\n` only, for every reader (`split_lines`): `\r` and the other
+characters some reader or terminal takes for a line break (`SEPARATORS`: Python's
+`str.splitlines`, universal newlines) are never line ends, and the relay replaces them
+(`neutralise`) so that no reader, however it splits, finds a second line inside one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from coordinator.rendezvous.roster import MemberAddress
 
@@ -149,6 +156,7 @@ class Failed(_Event):
     error: Name
     message: Text
     exit_code: Annotated[int, Field(ge=-255, le=255)]
+    culprit: Rank | None = None  # whose program failed first (ProgramFailed): the cause
 
 
 class Report(_Event):
@@ -208,15 +216,77 @@ def parse_event(line: str | bytes) -> MemberEvent | None:
     return None if event.event in LAUNCHER_EVENTS else event
 
 
+def member_own_line(line: str) -> bool:
+    """Whether a line of a member's output is one of its own events (not a line of its
+    program's, which the member passed on plain or wrapped as `output`)."""
+    event = parse_event(line)
+    return event is not None and not isinstance(event, Output)
+
+
 def parse_events(output: bytes) -> list[MemberEvent]:
     """The events in a member's output (whole lines; anything else is skipped)."""
-    return [e for line in output.splitlines() if (e := parse_event(line)) is not None]
+    return [e for line in split_lines(output) if (e := parse_event(line)) is not None]
+
+
+#: What some reader takes for a line break besides `\n`: `\r` (universal newlines, a
+#: terminal's carriage return) and the rest of `str.splitlines`' breaks.
+SEPARATORS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+#: Each separator as a visible sign of itself (Unicode's control pictures): shown, never
+#: a line's end.
+_NEUTRAL = str.maketrans(
+    {
+        "\r": "\u240d",
+        "\x0b": "\u240b",
+        "\x0c": "\u240c",
+        "\x1c": "\u241c",
+        "\x1d": "\u241d",
+        "\x1e": "\u241e",
+        "\x85": "\u2424",
+        "\u2028": "\u2424",
+        "\u2029": "\u2424",
+    }
+)
+
+
+_ANY_BREAK = re.compile(f"[{re.escape(SEPARATORS)}]")
+
+
+def split_lines(output: bytes) -> list[bytes]:
+    """The lines of `output`, split at `\n` only (without it; a last line without one
+    too): how every reader of members' output splits it, so all see the same lines."""
+    lines = output.split(b"\n")
+    return lines[:-1] if lines[-1] == b"" else lines
+
+
+def neutralise(line: str) -> str:
+    """`line` with every separator but `\n` replaced by a visible sign, so no reader
+    (whatever it splits on) nor terminal finds a line inside it; one `\r` ending the
+    line (a CRLF line end) is dropped."""
+    line = line.removesuffix("\r")
+    return line if _ANY_BREAK.search(line) is None else line.translate(_NEUTRAL)
 
 
 def claims_event(line: str) -> bool:
-    """Whether a line might be read as an event by some reader (a JSON object naming an
-    `event`): what a member must not pass on from its program as it is."""
-    return line.lstrip().startswith("{") and '"event"' in line
+    """Whether some reader might take `line`, or a part of it that a reader splitting at
+    a separator would see as a line, for an event: what a member must not pass on from
+    its program as it is. Decided on the parsed object, as readers decide (so a key
+    spelt `"\\u0065vent"` is `event`): a JSON object naming an `event`, or a part that
+    starts like an object and does not parse (no reader reads it; wrapped all the
+    same)."""
+    if "{" not in line:
+        return False  # no part of it can start like an object
+    return any(_claims(part) for part in _ANY_BREAK.split(line))
+
+
+def _claims(part: str) -> bool:
+    text = part.strip()
+    if not text.startswith("{"):
+        return False  # `parse_event` reads nothing else (it strips no more than this)
+    try:
+        parsed = from_json(text)
+    except (ValueError, RecursionError):
+        return True
+    return not isinstance(parsed, dict) or "event" in parsed
 
 
 def emit(event: _Event) -> None:

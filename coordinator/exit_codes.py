@@ -1,4 +1,4 @@
-"""The process exit codes every command shares (the README's table lists them with the
+"""The process exit codes every command shares (docs/rendezvous.md's table lists them with the
 member's own; `worker.EXIT_CODES` says what each means)."""
 
 EXIT_OK = 0

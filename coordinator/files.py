@@ -4,6 +4,7 @@ a user) never finds half a file under the final name."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,3 +31,17 @@ def write_private(path: Path, text: str) -> None:
         with os.fdopen(descriptor, "w") as file:
             os.fchmod(file.fileno(), 0o600)
             file.write(text)
+
+
+def check_secret_mode(path: Path, info: os.stat_result, what: str) -> None:
+    """Refuse a secret file (a token file, a signing key) others may read or write:
+    our own file must be 0600 or stricter; another owner's (a mounted Kubernetes or
+    compose secret, read through its group or other bits) writable by no one else.
+    ValueError names the file, its mode and the fix."""
+    mode = stat.S_IMODE(info.st_mode)
+    own = info.st_uid == os.geteuid()
+    if (own and mode & 0o077) or mode & 0o022:
+        raise ValueError(
+            f"{path} is open to group or others: mode {mode:04o}: "
+            f"{what} must be private: chmod 600 {path}"
+        )

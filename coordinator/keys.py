@@ -40,6 +40,7 @@ bound to in brackets ("none": it stays until deleted on purpose):
       api/jobs/<id>                        the service: a job's `JobRecord` [none]
       api/credentials/<id>                 the leader: a running job's etcd user, password [none]
       api/leader                           the replica that runs the reconciler [replica]
+      api/heartbeat                        the leader, every TTL/3: proof it still acts [replica]
       agents/<agent>                       an agent's registration, `AgentRecord` [agent]
       assignments/<agent>/<member>         the service: a member placed there; the agent
                                            deletes it when the member ends [agent]
@@ -166,6 +167,10 @@ class Keys:
     @cached_property
     def leader(self) -> str:
         return f"{self.namespace}/api/leader"
+
+    @cached_property
+    def heartbeat(self) -> str:
+        return f"{self.namespace}/api/heartbeat"
 
     @cached_property
     def agents(self) -> str:

@@ -46,7 +46,7 @@ from coordinator.rendezvous.errors import (
 from coordinator.rendezvous.member import Member
 from coordinator.rendezvous.roster import check_world_size
 
-#: Exit code -> meaning; part of the CLI's interface (the README lists it).
+#: Exit code -> meaning; part of the CLI's interface (docs/rendezvous.md lists it).
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "the member passed every phase and cleaned up",
     EXIT_ERROR: "an unexpected error (message on stderr)",
@@ -248,10 +248,15 @@ def _fail(
     rank = member.rank if member else None
     name = type(error).__name__
     message = str(error) or name
-    print(
-        f"error [{name}] in phase '{phase}' (rank {rank}): {message}", file=sys.stderr, flush=True
-    )
-    emit(Failed(phase=phase, rank=rank, error=name, message=message[:4000], exit_code=code))
+    who = "before taking a rank" if rank is None else f"rank {rank}"
+    print(f"error [{name}] in phase '{phase}' ({who}): {message}", file=sys.stderr, flush=True)
+    culprit = error.rank if isinstance(error, ProgramFailed) else None
+    emit(
+        Failed(
+            phase=phase, rank=rank, error=name, message=message[:4000], exit_code=code,
+            culprit=culprit,
+        )
+    )  # fmt: skip
     if member is not None and rank is not None and not isinstance(error, EtcdUnavailable):
         _record_failure(member, rank, phase, error, message)
     return code

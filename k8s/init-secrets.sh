@@ -6,12 +6,19 @@
 #   etcd-tls            tls.crt, tls.key   etcd's certificate (SANs: etcd, *.etcd, and
 #                                          their .NAMESPACE.svc[.cluster.local] forms)
 #   etcd-ca             ca.crt             the CA every client trusts
+#   etcd-peer-tls       tls.crt, tls.key, ca.crt  etcd's raft peer certificate (same SANs)
+#                                          and the peers' own CA (--peer-client-cert-auth)
 #   etcd-root           password           etcd's root user: the service, the init Job
 #   coordinator-agents  coordinator-agent-<i>  each agent pod's etcd password
-#   coordinator-tokens  tokens             the REST API's tokens (`submit`, `read`)
+#   coordinator-tokens  tokens             the REST API's tokens (`submit`, `read`; `exec`
+#                                          with EXEC_TOKEN=1)
+#   coordinator-signing-key  signing-key   the service's Ed25519 key (it signs job
+#                                          records and assignments): the service alone
+#   coordinator-service-key  signing-key.pub  its public half: the agents
 #
 #   k8s/init-secrets.sh [NAMESPACE]       # AGENTS=3 (the StatefulSet's replicas)
 #   DRY_RUN=1 k8s/init-secrets.sh NS      # print the Secrets as YAML instead
+#   EXEC_TOKEN=1 k8s/init-secrets.sh      # an exec token too (command jobs)
 #
 # Nothing is committed and nothing lands in the repository. The CA's key is not kept:
 # to rotate, delete the Secrets, run this again, and restart etcd, the init Job, the
@@ -32,7 +39,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 svc="etcd.$namespace.svc"
 sans="DNS:*.etcd,DNS:etcd.$namespace,DNS:$svc,DNS:*.$svc,DNS:$svc.cluster.local,DNS:*.$svc.cluster.local"
-ETCD_SANS=$sans AGENTS=$agents "$here/../compose/init-secrets.sh" "$work/s" >/dev/null 2>&1
+ETCD_SANS=$sans ETCD_PEER_SANS=$sans AGENTS=$agents EXEC_TOKEN=${EXEC_TOKEN:-} \
+  "$here/../compose/init-secrets.sh" "$work/s" >/dev/null 2>&1
 s=$work/s
 
 create() {
@@ -46,6 +54,8 @@ create() {
 
 create secret tls etcd-tls --cert="$s/etcd.pem" --key="$s/etcd-key.pem"
 create secret generic etcd-ca --from-file=ca.crt="$s/ca.pem"
+create secret generic etcd-peer-tls --from-file=tls.crt="$s/etcd-peer.pem" \
+  --from-file=tls.key="$s/etcd-peer-key.pem" --from-file=ca.crt="$s/peer-ca.pem"
 create secret generic etcd-root --from-file=password="$s/etcd-root-password"
 set --
 i=0
@@ -55,3 +65,5 @@ while [ "$i" -lt "$agents" ]; do
 done
 create secret generic coordinator-agents "$@"
 create secret generic coordinator-tokens --from-file=tokens="$s/tokens"
+create secret generic coordinator-signing-key --from-file=signing-key="$s/signing-key"
+create secret generic coordinator-service-key --from-file=signing-key.pub="$s/signing-key.pub"

@@ -5,6 +5,7 @@ they use are in tests/support; system/conftest.py adds the process fixtures."""
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,13 @@ from tests.support.containers import (
     containers_available,
 )
 from tests.support.etcd_container import EtcdContainer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests send SIGINT to the processes they start, as Ctrl-C would. A shell that runs the
+    # suite in the background ignores SIGINT, and every child inherits that: undo it here.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,9 +50,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         sources = ["embedded", "container"] if choice == "both" else [choice]
         if metafunc.definition.get_closest_marker("one_etcd") and len(sources) > 1:
             sources = sources[:1]  # what it tests does not depend on where etcd runs
-        later = metafunc.definition.get_closest_marker("container_etcd_slow") is not None
+        # With both, the runs against etcd in a container go with the slow tests: the
+        # default suite's budget (they build the container images, too).
         params = [
-            pytest.param(s, marks=pytest.mark.slow) if later and s == "container" else s
+            pytest.param(s, marks=pytest.mark.slow) if len(sources) > 1 and s == "container" else s
             for s in sources
         ]
         metafunc.parametrize("etcd_source", params, scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -18,9 +19,19 @@ from coordinator.cli.etcd_options import (
     connect,
     with_etcd_security,
 )
-from coordinator.cli.options import NamespaceOption, console, parse_labels
+from coordinator.cli.options import (
+    MaxThreadsOption,
+    MemberPidsLimitOption,
+    NamespaceOption,
+    RunAsOption,
+    console,
+    parse_labels,
+    run_as_range,
+)
 from coordinator.etcd.security import EtcdSecurity
+from coordinator.jobs.threads import MAX_THREADS_ENV, host_cores
 from coordinator.keys import assignments_path
+from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
 
 
 @with_etcd_security
@@ -39,6 +50,15 @@ def agent(
             show_default=False,
         ),
     ] = "",
+    service_key: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="COORDINATOR_SERVICE_KEY",
+            help="the service's public key (PEM, its DATA_DIR/signing-key.pub): only "
+            "assignments it signed run  [required]",
+            show_default=False,
+        ),
+    ] = None,
     etcd: EtcdOption = None,
     namespace: NamespaceOption = "/coordinator",
     data_dir: Annotated[Path, typer.Option(help="members' output")] = Path("agent-data"),
@@ -61,13 +81,27 @@ def agent(
     drain_seconds: Annotated[
         float, typer.Option(min=0, help="on SIGTERM, how long members may finish before SIGTERM")
     ] = 30.0,
+    max_threads: MaxThreadsOption = None,
+    member_pids_limit: MemberPidsLimitOption = DEFAULT_PIDS_LIMIT,
+    run_as: RunAsOption = None,
 ) -> None:
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
     from coordinator.etcd.names import check_name
     from coordinator.launch import parse_gpus
     from coordinator.service.agent import Agent, AgentOptions
     from coordinator.service.agent_records import AgentTaken
+    from coordinator.signing import load_public_key
 
+    if service_key is None:
+        raise typer.BadParameter(
+            "required: the service's public key (its DATA_DIR/signing-key.pub), "
+            "or COORDINATOR_SERVICE_KEY",
+            param_hint="--service-key",
+        )
+    try:
+        public_key = load_public_key(service_key)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--service-key") from None
     labels = parse_labels(label)
     try:
         gpu_ids = parse_gpus(gpus)
@@ -77,6 +111,8 @@ def agent(
         agent_id = check_name("agent id", agent_id or socket.gethostname())
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--id") from None
+    # The members check their jobs' thread counts against it (this host's cores without).
+    os.environ[MAX_THREADS_ENV] = str(max_threads or host_cores())
     endpoints = etcd or DEFAULT_ETCD
     # Exported into the environment too: the members this agent starts inherit it.
     security = checked_security(endpoints, etcd_settings)
@@ -84,6 +120,7 @@ def agent(
         agent_id=agent_id,
         slots=slots,
         data_dir=data_dir.absolute(),
+        service_key=public_key,
         labels=labels,
         host=host,
         port=port,
@@ -91,6 +128,8 @@ def agent(
         ttl=ttl,
         drain_seconds=drain_seconds,
         gpus=gpu_ids,
+        member_pids_limit=member_pids_limit,
+        run_as=run_as_range(run_as),
     )
     # Its etcd user (`coordinator credentials agent`) may touch only its own keys.
     client = connect(endpoints, namespace, security, probe=assignments_path(agent_id))

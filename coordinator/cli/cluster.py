@@ -17,14 +17,15 @@ from coordinator.worker import EXIT_CODES
 def etcd_server() -> None:
     """Run an embedded etcd on a free loopback port until Ctrl-C (for trying `worker`).
 
-    Its auth is on: connect as root with the settings it prints (the password file is
-    readable by you alone)."""
+    Its auth is on, and its client port wants its client certificate: connect as root
+    with the settings it prints (the files are readable by you alone)."""
     with EmbeddedEtcd() as server:
         security = server.security
         console.print(f"etcd listening at [bold]{server.endpoint}[/bold]; Ctrl-C stops it")
-        console.print(
-            f"auth on: --etcd-user {security.user} --etcd-password-file {security.password_file}"
-        )
+        given = {"ca": security.ca, "cert": security.cert, "key": security.key,
+                 "user": security.user, "password-file": security.password_file}  # fmt: skip
+        options = " ".join(f"--etcd-{name} {value}" for name, value in given.items() if value)
+        console.print(f"auth on: {options}", soft_wrap=True)
         print(server.endpoint, flush=True)
         # SIGTERM too stops it here, so its etcd (in a session of its own) goes with it.
         signal.signal(signal.SIGTERM, signal.default_int_handler)

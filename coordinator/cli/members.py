@@ -46,8 +46,9 @@ from coordinator.etcd.users import (
     revoke_job,
     write_password_file,
 )
-from coordinator.jobs import COMMAND
+from coordinator.jobs import COMMAND, KINDS
 from coordinator.jobs.private_folder import make_private_folder
+from coordinator.jobs.threads import check_thread_caps, thread_cap
 from coordinator.keys import job_path
 from coordinator.launch import WorkerCommand
 from coordinator.launch.piped import LocalLauncher
@@ -96,7 +97,7 @@ def worker(
     """Run one member of a job: the entrypoint of a worker container.
 
     With `-- PROGRAM [ARGS...]` (kind command) the member runs that program once the
-    rendezvous is done, with torch's env:// variables set (see the README)."""
+    rendezvous is done, with torch's env:// variables set (see docs/programs.md)."""
     program = program_after_dashes(ctx)
     kind_name = member_kind(kind.value if kind else None, program, default="noop")
     params = parse_param_option(param)
@@ -238,12 +239,16 @@ def run(
     program = program_after_dashes(ctx)
     kind_name = member_kind(kind.value if kind else None, program, default=None)
     # Checked here; the workers inherit the settings from the environment (a job user's,
-    # see `_etcd_endpoint`; the embedded etcd takes no TLS settings, so those need --etcd).
-    security = checked_security(etcd or DEFAULT_ETCD, etcd_settings)
+    # see `_etcd_endpoint`). Without --etcd, the embedded etcd's own settings are used.
+    security = checked_security(etcd, etcd_settings) if etcd else EtcdSecurity()
     job_id = job or f"{kind_name}-{uuid.uuid4().hex[:8]}"
     shortcuts = {"data": data, "rounds": rounds, "epochs": epochs, "method": method}
     param = [*(param or []), *(f"{k}={v}" for k, v in shortcuts.items() if v is not None)]
     params = parse_param_option(param)
+    try:  # before anything starts: the workers would each refuse it
+        check_thread_caps(kind_name, KINDS[kind_name].params, params, thread_cap())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--param") from None
     # The launcher stops its workers itself; a terminal's Ctrl-C must not kill them first.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

@@ -11,11 +11,26 @@ import typer
 import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
 
 from coordinator.jobs import JOB_KINDS, MEMBER_KINDS
 from coordinator.jobs.params import parse_param_list, parse_params
+from coordinator.jobs.threads import MAX_THREADS_ENV
 
 console = Console(stderr=True)
+
+#: What an unknown value shows as in a table (a member that never published its address).
+NONE_YET = "-"
+
+
+def folding_table(*headers: str, title: str | None = None, right: tuple[str, ...] = ()) -> Table:
+    """A table whose cells wrap, and fold a long word (a job id) over lines, on a narrow
+    terminal: it never cuts a value short. `right`: the columns of numbers."""
+    columns = [
+        Column(h, overflow="fold", justify="right" if h in right else "left") for h in headers
+    ]
+    return Table(*columns, title=title)
+
 
 JobKind = Enum("JobKind", {name: name for name in JOB_KINDS}, type=str)  # type: ignore[misc]
 #: The kinds of `worker` and `run`: the service's, and `command` (a program after --).
@@ -131,3 +146,53 @@ def parse_env(items: list[str] | None) -> dict[str, str]:
             value = os.environ[name]
         env[name] = value
     return env
+
+
+#: `serve`'s and `agent`'s cap on a job's thread counts, which their members check again.
+MaxThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        envvar=MAX_THREADS_ENV,
+        min=1,
+        help="the most threads a job may ask per member (mnist threads, xgboost "
+        "nthread) [the host's cores]",
+        show_default=False,
+    ),
+]
+#: `serve`'s and `agent`'s limit on each local member's processes and threads.
+MemberPidsLimitOption = Annotated[
+    int,
+    typer.Option(
+        envvar="COORDINATOR_MEMBER_PIDS_LIMIT",
+        min=16,
+        help="processes and threads of each local member (a pids cgroup of its own; "
+        "RLIMIT_NPROC under a uid of its own)",
+    ),
+]
+RunAsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--run-as-uids",
+        envvar="COORDINATOR_RUN_AS_UIDS",
+        help="FIRST-LAST: run each job's command programs under a uid of this range of its "
+        "own, never ours (needs root) [programs run as this process's user]",
+        show_default=False,
+    ),
+]
+
+
+def run_as_range(text: str | None) -> range | None:
+    """`--run-as-uids` checked: the range, or None when not given; exits 2 naming it."""
+    from coordinator.jobs.run_as import parse_uid_range
+
+    if not text:
+        return None
+    try:
+        uids = parse_uid_range(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--run-as-uids") from None
+    if os.geteuid() != 0:
+        raise typer.BadParameter(
+            "needs root (it starts programs as other users)", param_hint="--run-as-uids"
+        )
+    return uids

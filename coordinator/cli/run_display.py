@@ -6,12 +6,12 @@ from __future__ import annotations
 import queue
 import sys
 import time
+from collections.abc import Callable
 
 from rich.markup import escape
 from rich.progress import MofNCompleteColumn, Progress, TaskID
-from rich.table import Table
 
-from coordinator.cli.options import console, progress_bar
+from coordinator.cli.options import console, folding_table, progress_bar
 from coordinator.events import Metrics, Output, Phase, Report, Round, Step
 from coordinator.launch.piped import LocalLauncher, LocalWorker
 from coordinator.rendezvous.errors import MemberLost
@@ -66,7 +66,8 @@ def echo(launcher: LocalLauncher) -> None:
             if isinstance(event, Output) or (isinstance(event, Report) and lines):
                 stream = sys.stderr if getattr(event, "stream", "") == "stderr" else sys.stdout
                 line = event.line if isinstance(event, Output) else event.to_line()
-                print(f"[rank {'?' if rank is None else rank}] {line}", file=stream, flush=True)
+                who = f"rank {rank}" if rank is not None else f"worker {index}"
+                print(f"[{who}] {line}", file=stream, flush=True)
             if isinstance(event, Report) and event.step is not None:
                 reports[event.rank if event.rank is not None else -1] = event
                 if task is None:
@@ -106,9 +107,8 @@ def report(workers: list[LocalWorker]) -> int:
     done = [(w, w.done) for w in workers if w.exit_code == 0 and w.done]
     if done:
         roster = done[0][1].roster
-        table = Table(title=f"roster of job {roster.job_id} (round {roster.round})")
-        for column in ("rank", "address", "hostname", "pid"):
-            table.add_column(column)
+        title = f"roster of job {roster.job_id} (round {roster.round})"
+        table = folding_table("rank", "address", "hostname", "pid", title=title)
         for member in roster.members:
             table.add_row(
                 str(member.rank), f"{member.host}:{member.port}", member.hostname, str(member.pid)
@@ -119,16 +119,28 @@ def report(workers: list[LocalWorker]) -> int:
             if "model_path" in result:
                 metrics = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items())
                 console.print(f"model: [bold]{result['model_path']}[/bold] ({metrics})")
-    failed = [w for w in workers if w.exit_code != 0]
+    failed = sorted((w for w in workers if w.exit_code != 0), key=cause_first(workers))
     for w in failed:
         reason = w.failed.message if w.failed else (w.stderr[-1] if w.stderr else "no output")
-        console.print(
-            f"[red]worker {w.index} (rank {w.rank}) exited {w.exit_code}:[/red] {escape(reason)}"
-        )
+        who = f"rank {w.rank}" if w.rank is not None else f"worker {w.index} (no rank yet)"
+        console.print(f"[red]{who} exited {w.exit_code}:[/red] {escape(reason)}")
     if failed:
         return run_exit_code([w.exit_code for w in failed])
     console.print(f"[green]all {len(workers)} workers passed every phase and cleaned up[/green]")
     return 0
+
+
+def cause_first(workers: list[LocalWorker]) -> Callable[[LocalWorker], tuple[bool, bool, int]]:
+    """The order failed workers are told in: the rank whose program failed first (any
+    worker's `culprit`), then those that failed of their own, then those that only lost
+    a peer."""
+    culprits = {w.failed.culprit for w in workers if w.failed and w.failed.culprit is not None}
+
+    def key(w: LocalWorker) -> tuple[bool, bool, int]:
+        lost = w.failed is not None and w.failed.error == MemberLost.__name__
+        return (w.rank not in culprits, lost, w.index)
+
+    return key
 
 
 def run_exit_code(failed: list[int | None]) -> int:

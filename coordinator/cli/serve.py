@@ -14,10 +14,20 @@ from coordinator.cli.etcd_options import (
     checked_security,
     with_etcd_security,
 )
-from coordinator.cli.options import NamespaceOption, console, unset_option
+from coordinator.cli.options import (
+    MaxThreadsOption,
+    MemberPidsLimitOption,
+    NamespaceOption,
+    RunAsOption,
+    console,
+    run_as_range,
+    unset_option,
+)
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
+from coordinator.jobs.threads import MAX_THREADS_ENV, host_cores
 from coordinator.launch import parse_gpus
+from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
 from coordinator.rendezvous.address import is_loopback
 from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
 from coordinator.service.model import Launcher
@@ -89,7 +99,18 @@ def serve(
             show_default=False,
         ),
     ] = "",
+    max_threads: MaxThreadsOption = None,
+    member_pids_limit: MemberPidsLimitOption = DEFAULT_PIDS_LIMIT,
+    run_as: RunAsOption = None,
     grace: Annotated[float, typer.Option(min=0, help="seconds from SIGTERM to SIGKILL")] = 10.0,
+    events_ping: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="seconds between keep-alives on a quiet events stream (below the idle "
+            "timeout of any proxy in front of the service)",
+        ),
+    ] = 15.0,
     member_ttl: Annotated[int, typer.Option(min=2, help="lease TTL of the members")] = 10,
     member_connect_timeout: Annotated[
         float,
@@ -103,7 +124,18 @@ def serve(
         Path | None,
         typer.Option(
             envvar="COORDINATOR_TOKEN_FILE",
-            help="lines of '<read|submit|exec> <token>', mode 0600 [made: DATA_DIR/api-token]",
+            help="lines of '<read|submit|exec> <token>', mode 0600, owned by this user or root "
+            "(exec needs it) [made: DATA_DIR/api-token, one submit token]",
+        ),
+    ] = None,
+    signing_key: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="COORDINATOR_SIGNING_KEY",
+            help="Ed25519 private key (PEM, mode 0600) that signs job records and agents' "
+            "assignments; agents verify with its public half [made: DATA_DIR/signing-key "
+            "and DATA_DIR/signing-key.pub]",
+            show_default=False,
         ),
     ] = None,
     insecure: Annotated[
@@ -153,14 +185,14 @@ def serve(
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
     from coordinator.etcd.errors import EtcdError
     from coordinator.service import server
-    from coordinator.service.auth import Tokens, generated_tokens
+    from coordinator.service.auth import GENERATED_TOKEN_FILE, Tokens, generated_tokens
     from coordinator.service.embedded import ServiceEtcd
     from coordinator.service.launchers import LauncherUnavailable
     from coordinator.service.runner import Service, ServiceOptions
 
-    # Exported into the environment (TLS settings need --etcd). Without --etcd, the
-    # service is root of its own etcd, which has auth on; members get users of their own.
-    security = checked_security(etcd or DEFAULT_ETCD, etcd_settings)
+    # Exported into the environment. Without --etcd, the service is root of its own etcd,
+    # with its own settings (auth and a client certificate); members get users of their own.
+    security = checked_security(etcd, etcd_settings) if etcd else EtcdSecurity()
     tokens = None
     if token_file is not None:
         try:
@@ -178,6 +210,13 @@ def serve(
             tokens = generated_tokens(data_dir.absolute())
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
+    if signing_key is not None:
+        from coordinator.signing import load_private_key
+
+        try:
+            load_private_key(signing_key)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--signing-key") from None
     if docker_image:
         from coordinator.service.launchers.docker_container import (
             check_limits,
@@ -223,6 +262,7 @@ def serve(
         gpu_ids = parse_gpus(gpus)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--gpus") from None
+    run_as_uids = run_as_range(run_as)
     data_dir = data_dir.absolute()
     # Where submitted paths may point; the local members check it again as they read.
     # (The jobs' default artifacts folder, $COORDINATOR_ARTIFACTS, is the default root.)
@@ -239,6 +279,8 @@ def serve(
             console.print(f"[dim]{name.lower()}: {root} is not here ({exc.strerror})[/dim]")
         os.environ[name] = str(root)
     os.environ.setdefault("COORDINATOR_ARTIFACTS", str(roots["COORDINATOR_ARTIFACTS_ROOT"]))
+    max_threads = max_threads or host_cores()
+    os.environ[MAX_THREADS_ENV] = str(max_threads)  # the local members check it again
     embedded = ServiceEtcd(data_dir) if not etcd else None
     endpoint = etcd or (embedded.endpoint if embedded else "")
     if embedded is not None:
@@ -247,9 +289,12 @@ def serve(
     # By concern: etcd; the local members; the API and placing; the container launchers.
     options = ServiceOptions(
         etcd=endpoint, namespace=namespace, security=security,
-        data_dir=data_dir, max_workers=max_workers, gpus=gpu_ids, grace=grace,
+        data_dir=data_dir, max_workers=max_workers, gpus=gpu_ids, run_as=run_as_uids, grace=grace,
+        events_ping=events_ping,
+        max_threads=max_threads, member_pids_limit=member_pids_limit,
         member_ttl=member_ttl, member_connect_timeout=member_connect_timeout,
         tokens=tokens, default_launcher=default_launcher, max_txn_ops=max_txn_ops,
+        signing_key=signing_key.absolute() if signing_key is not None else None,
         docker_image=docker_image, docker_network=docker_network, docker_host=docker_host,
         docker_etcd=docker_etcd, docker_memory=docker_memory,
         docker_pids_limit=docker_pids_limit, docker_artifacts=docker_artifacts,
@@ -271,11 +316,15 @@ def serve(
     service.start()
     shown = "[::1]" if host == "::1" else host
     link = f"http://{shown}:{port}/"
-    if tokens is not None and token_file is None:  # in the fragment: a browser never sends it
-        link += f"#token={tokens.strongest()}"
+    if tokens is not None and token_file is None:
+        if console.file.isatty():  # a person's terminal; in the fragment: never sent on
+            link += f"#token={tokens.strongest()}"
+        else:  # a log: the token stays in its file
+            link += f" (token: {data_dir / GENERATED_TOKEN_FILE})"
     console.print(f"dashboard: {link}", soft_wrap=True, highlight=False)
     try:
-        server.run(service.app, host, port, grace)
+        simulator = service.app.state.context.simulator  # its runs end 503 at SIGTERM
+        server.run(service.app, host, port, grace, on_stop=simulator.stop)
     finally:
         idle = service.idle()
         service.stop()

@@ -8,9 +8,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import TextColumn
-from rich.table import Table
 
-from coordinator.cli.options import console, progress_bar
+from coordinator.cli.options import console, folding_table, progress_bar
 
 
 def simulate_barriers(
@@ -97,6 +96,25 @@ def simulate_barriers(
     ] = None,
     lr: Annotated[float, typer.Option(help="--train: SGD learning rate")] = 0.02,
     momentum: Annotated[float, typer.Option(help="--train: SGD momentum")] = 0.9,
+    lr_decay: Annotated[
+        float,
+        typer.Option(
+            help="--train: the lr is multiplied by this after each epoch's updates (the mnist "
+            "job's default; 1: constant)"
+        ),
+    ] = 0.7,
+    update_rule: Annotated[
+        str | None,
+        typer.Option(
+            help="--train: how a gradient becomes a step: plain, scaled, async, staleness or "
+            "dc (default: scaled for bsp-agg, async for the others; see "
+            "docs/methods/update_rules.md)",
+            show_default=False,
+        ),
+    ] = None,
+    compensation: Annotated[
+        float, typer.Option(help="--train: update rule dc's lambda, in [0, 10]")
+    ] = 0.5,
     latency: Annotated[
         float, typer.Option(help="--train: one-way network latency per pull/push, seconds")
     ] = 0.0005,
@@ -120,6 +138,7 @@ def simulate_barriers(
                 sample_timing=sample_timing, out=out, seeds=seeds, targets=targets,
                 batch_size=batch_size, epochs=epochs, virtual_seconds=virtual_seconds,
                 data=data, test_rows=test_rows, eval_seconds=eval_seconds, lr=lr, momentum=momentum,
+                lr_decay=lr_decay, update_rule=update_rule, compensation=compensation,
                 latency=latency, bandwidth=bandwidth,
             )
         )  # fmt: skip
@@ -170,11 +189,9 @@ def simulate_barriers(
         no_plot = None
     except report.PlotUnavailable as exc:  # a plain install: the numbers still count
         no_plot = str(exc)
-    table = Table(title=f"{workers} workers, {seconds:g} simulated s, delay {delay}, seed {seed}")
-    for column in ("method", "mean step", "min", "max", "mean wait (s)", "max gap"):
-        table.add_column(
-            column, justify="left" if column == "method" else "right", no_wrap=column == "method"
-        )
+    headers = ("method", "mean step", "min", "max", "mean wait (s)", "max gap")
+    title = f"{workers} workers, {seconds:g} simulated s, delay {delay}, seed {seed}"
+    table = folding_table(*headers, title=title, right=headers[1:])
     for result in results:
         row = report.summary(result)
         table.add_row(*(str(value) for value in row.values()))

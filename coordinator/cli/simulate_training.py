@@ -15,9 +15,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import MofNCompleteColumn, TextColumn
-from rich.table import Table
 
-from coordinator.cli.options import console, progress_bar
+from coordinator.cli.options import console, folding_table, progress_bar
 
 MODELS = ("mnist",)
 MNIST_EXTRA = "pip install 'etcd-coordinator[mnist]'"
@@ -46,6 +45,9 @@ class Options:
     eval_seconds: float | None
     lr: float
     momentum: float
+    lr_decay: float
+    update_rule: str | None
+    compensation: float
     latency: float
     bandwidth: float
 
@@ -109,11 +111,20 @@ def run(options: Options) -> None:
         ("--eval-seconds", options.eval_seconds, lambda v: v > 0 and math.isfinite(v)),
         ("--lr", options.lr, lambda v: v > 0 and math.isfinite(v)),
         ("--momentum", options.momentum, lambda v: 0 <= v < 1),
+        ("--lr-decay", options.lr_decay, lambda v: 0 < v <= 1),
         ("--latency", options.latency, lambda v: v >= 0 and math.isfinite(v)),
         ("--bandwidth", options.bandwidth, lambda v: v > 0),
     ):
         if value is not None and not ok(value):
             raise _bad(f"{value:g} is out of range", name)
+    from coordinator.ps.rules import check_rule
+
+    try:
+        checked = check_rule(options.update_rule or "plain", options.compensation)
+        rule = checked if options.update_rule else None  # None: each method's default
+    except ValueError as exc:
+        option = "--compensation" if str(exc).startswith("compensation") else "--update-rule"
+        raise _bad(str(exc), option) from None
     try:
         from coordinator.simulator import train_report, training
         from coordinator.simulator.training_data import TrainingData
@@ -137,7 +148,13 @@ def run(options: Options) -> None:
     eval_seconds = options.eval_seconds or training.default_eval_seconds(
         delay, data, options.batch_size, epochs, options.virtual_seconds, transfer
     )
-    optimizer = OptimizerSpec("sgd", options.lr, options.momentum)
+
+    def optimizer(aggregate: bool) -> OptimizerSpec:
+        every = training.updates_per_epoch(data, options.batch_size, aggregate)
+        return OptimizerSpec(
+            "sgd", options.lr, options.momentum, decay=options.lr_decay, decay_every=every
+        )
+
     seeds = range(options.seed, options.seed + options.seeds)
     directory = pathlib.Path(options.out)
     directory.mkdir(parents=True, exist_ok=True)
@@ -153,7 +170,8 @@ def run(options: Options) -> None:
                 training.train(
                     spec, data, batch_size=options.batch_size, epochs=epochs,
                     virtual_seconds=options.virtual_seconds, delay=delay, seed=seed,
-                    optimizer=optimizer, aggregate=aggregate, eval_seconds=eval_seconds,
+                    optimizer=optimizer(aggregate), rule=rule,
+                    aggregate=aggregate, eval_seconds=eval_seconds,
                     transfer=transfer, timing=timing,
                 )
             )  # fmt: skip
@@ -172,9 +190,10 @@ def run(options: Options) -> None:
     except train_report.PlotUnavailable as exc:
         no_plot = str(exc)
     rows = train_report.summary(runs, targets)
-    table = Table(title=f"{title}, seeds {seeds.start}..{seeds.stop - 1}")
-    for column in rows[0]:
-        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    headers = tuple(rows[0])
+    table = folding_table(
+        *headers, title=f"{title}, seeds {seeds.start}..{seeds.stop - 1}", right=headers[1:]
+    )
     for row in rows:
         table.add_row(*row.values())
     Console().print(table)

@@ -389,7 +389,8 @@ class Etcd(Connection):
             requests, timeout=timeout or self.timeout, metadata=REQUIRE_LEADER
         )
         try:
-            return next(call).TTL
+            with self.watchdog.call("keepalive", timeout or self.timeout):
+                return next(call).TTL
         except StopIteration:
             return 0
         except grpc.RpcError as exc:

@@ -29,6 +29,7 @@ from pyetcd import etcdrpc
 from coordinator.etcd.errors import EtcdError, EtcdRefused, EtcdUnavailable, LeaseNotFound, refusal
 from coordinator.etcd.security import EtcdSecurity, SecurityError, TokenAuth, token_rejected
 from coordinator.etcd.stream import WatchStream
+from coordinator.etcd.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ MIN_ATTEMPT = 0.1
 #: Attempts of a request that run out of `attempt_timeout` before its deadline grows.
 SHORT_ATTEMPTS = 3
 
+#: How an endpoint that is a unix socket (a member's proxy for its program) starts.
+UNIX = "unix:"
+
 #: What each attempt of a request is sent with: its deadline and REQUIRE_LEADER.
 CallOptions = dict[str, Any]
 
@@ -72,6 +76,12 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
     handed on to members as they are; TLS and plain endpoints cannot be mixed.
     """
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    unix = [item.strip() for item in items if item.strip().startswith(UNIX)]
+    if unix:  # a member's proxy (coordinator.etcd.proxy): one socket, nothing else
+        path = unix[0].removeprefix(UNIX)
+        if len(items) > 1 or not path.startswith("/"):
+            raise ValueError(f"etcd endpoint {unix[0]!r}: a unix: endpoint is one absolute path")
+        return [unix[0]]
     parsed = []
     for item in items:
         item = item.strip().removeprefix("http://").rstrip("/")
@@ -126,8 +136,11 @@ class Connection:
         self._stubs: (
             tuple[etcdrpc.KVStub, etcdrpc.LeaseStub, WatchStream, etcdrpc.AuthStub] | None
         ) = None
+        self._calls_channel: grpc.Channel | None = None  # what every stub calls through
+        self._forwarders: dict[str, Any] = {}  # `forward`'s callables, "" their channel
         self._closed = False
         self.operations = 0  # requests sent, for benchmarks
+        self.watchdog = Watchdog()  # which attempts outlived their deadlines
 
     # -- connection -------------------------------------------------------
 
@@ -186,6 +199,7 @@ class Connection:
                 if self._auth is not None:  # every call, the watch stream too, carries the token
                     self._auth.bind(self._channel)
                     channel = grpc.intercept_channel(self._channel, self._auth)
+                self._calls_channel = channel
                 self._stubs = (
                     etcdrpc.KVStub(channel),
                     etcdrpc.LeaseStub(channel),
@@ -205,11 +219,51 @@ class Connection:
     def _watcher(self) -> WatchStream:
         return self._current()[2]
 
+    def calls_channel(self) -> grpc.Channel:
+        """The channel calls go through now (with this client's token), for the proxy
+        that forwards a program's calls (`coordinator.etcd.proxy`)."""
+        self._current()
+        with self._lock:
+            assert self._calls_channel is not None
+            return self._calls_channel
+
+    def forward(self, method: str, request: Any, window: float) -> bytes:
+        """One unary call of etcd's API by its full gRPC name, sent as this client with
+        its retries for at most `window` seconds; the answer's bytes, unparsed. For the
+        program proxy, which has judged the call already (`coordinator.etcd.scope`)."""
+
+        def send(options: CallOptions) -> bytes:
+            channel = self.calls_channel()
+            callables = self._forwarders
+            if callables.get("") is not channel:  # (made once per connection and method)
+                callables = self._forwarders = {"": channel}
+            call = callables.get(method)
+            if call is None:
+                call = callables[method] = channel.unary_unary(
+                    method, request_serializer=_serialize, response_deserializer=None
+                )
+            return call(request, **options)  # type: ignore[no-any-return]
+
+        return self._call(send, window=window)
+
     def auth_api(self, method: str, request: Any) -> Any:
         """One call of etcd's Auth service (`UserAdd`, `RoleGrantPermission`, ...) with this
         client's token and retries; what it may do is up to etcd (users and roles: the
         root role only). A refusal raises EtcdError, its cause the grpc.RpcError."""
         return self._call(lambda o: getattr(self._current()[3], method)(request, **o))
+
+    def maintenance_api(self, method: str, request: Any) -> Any:
+        """One call of etcd's Maintenance service (`Alarm`, `Status`) with retries."""
+
+        def call(options: CallOptions) -> Any:
+            self._current()
+            channel = self._calls_channel
+            if channel is None:  # (another thread moved on meanwhile: retried)
+                raise ValueError("connection closed")
+            stub = etcdrpc.MaintenanceStub(channel)
+            return getattr(stub, method)(request, **options)
+
+        return self._call(call)
 
     def auth_enabled(self) -> bool:
         """Whether etcd asks for credentials (known by authenticating; without a user this
@@ -271,7 +325,8 @@ class Connection:
             # (never past the window: a caller bounds its wait by it)
             timeout = min(attempt_timeout, max(deadline - time.monotonic(), MIN_ATTEMPT))
             try:
-                return request({"timeout": timeout, "metadata": REQUIRE_LEADER})
+                with self.watchdog.call("request", timeout):
+                    return request({"timeout": timeout, "metadata": REQUIRE_LEADER})
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -333,6 +388,10 @@ class Connection:
             stubs[2].join(0.25)  # (its stream ends at once: a process may exit cleanly)
         if channel is not None:
             _retire(channel)
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()  # type: ignore[no-any-return]
 
 
 _retired: list[tuple[float, grpc.Channel]] = []  # (when to close, connection), in order

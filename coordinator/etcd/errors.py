@@ -85,6 +85,12 @@ def refusal(
             f"missing credentials: etcd at {at} has auth enabled; give --etcd-user and "
             "--etcd-password-file (or a client certificate whose CN is an etcd user)",
         )
+    if code == grpc.StatusCode.PERMISSION_DENIED and details.startswith("coordinator proxy:"):
+        return EtcdRefused(  # a program's call its member's proxy does not forward
+            "permission-denied",
+            f"permission denied by this program's member ({at}): "
+            f"{details.removeprefix('coordinator proxy: ')}",
+        )
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return EtcdRefused(
             "permission-denied",

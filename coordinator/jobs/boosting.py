@@ -99,7 +99,9 @@ def parse(params: dict[str, str]) -> BoostingOptions:
             label_column=label_column,
             num_features=num_features,
         )
-    rounds = int_at_least(JOB, params, "rounds", 10, minimum=1)
+    rounds = int_at_least(
+        JOB, params, "rounds", 10, minimum=1, maximum=catalog.maximum(catalog.XGBOOST, "rounds")
+    )
     early = int_param(JOB, params, "early_stopping_rounds")
     if early is not None and (early < 1 or eval_data is None):
         raise ValueError(

@@ -16,6 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 ParamType = Literal["integer", "number", "boolean", "text", "choice", "path"]
+#: What a parameter counts that the host has only so much of: `threads`, capped by the
+#: service's `--max-threads` (coordinator/jobs/threads.py).
+Cap = Literal["threads"]
 CATALOG_FILE = "catalog.toml"
 
 
@@ -29,6 +32,8 @@ class Param(BaseModel):
     description: str
     default: str | None = None  # None: none, or one the description explains
     choices: tuple[str, ...] = ()
+    cap: Cap | None = None  # the host resource the value counts, at most the service's cap
+    maximum: float | None = None  # the largest value a member takes (checked at submit too)
 
 
 class PassThrough(BaseModel):
@@ -116,6 +121,11 @@ def _named(params: tuple[Param, ...], name: str) -> Param:
         if param.name == name:
             return param
     raise ValueError(f"{CATALOG_FILE}: no parameter {name}")
+
+
+def maximum(params: tuple[Param, ...], name: str) -> float | None:
+    """The catalog's bound on a numeric parameter (None: none)."""
+    return _named(params, name).maximum
 
 
 def _default(params: tuple[Param, ...], name: str) -> str:

@@ -8,7 +8,10 @@
   leased; the leader's is MASTER_PORT. After `connect` every member reads them
   all, writes the roster file (0600, never the round's secret), releases its
   port and starts the program under `reaper.py` in a process group of its own,
-  with the environment of `environment.program_environment`. The member passes
+  with the environment of `environment.program_environment`: etcd only through
+  the member's proxy (`coordinator.etcd.proxy`, a unix socket in a 0700 folder),
+  which forwards the job's own keys, watches and leases with the member's
+  credentials, never the credentials themselves. The member passes
   the program's output on (`relay.py`): its `report` events, never a forged one
   of the member's own.
 - While the program runs, the member listens for the job's trouble: a lost
@@ -35,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coordinator.etcd.proxy import MAX_SOCKET_PATH, EtcdProxy
+from coordinator.etcd.scope import Scope
 from coordinator.etcd.txn import KeyValue
 from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs import catalog
@@ -50,7 +55,15 @@ from coordinator.jobs.environment import (
 from coordinator.jobs.params import artifacts_dir, check_known, float_param
 from coordinator.jobs.private_folder import make_private_folder, sweep_private_folders
 from coordinator.jobs.program import ProgramGroup
-from coordinator.keys import leaf
+from coordinator.jobs.run_as import (
+    NPROC_ENV,
+    RUN_AS_ENV,
+    hand_over,
+    program_nproc,
+    uid_from_environment,
+    unreachable_folder,
+)
+from coordinator.keys import job_path, leaf
 from coordinator.rendezvous.errors import MemberLost, ProgramFailed, RendezvousError
 from coordinator.rendezvous.member import loss_reason
 
@@ -59,8 +72,10 @@ if TYPE_CHECKING:
 
 JOB = "command"
 DEFAULT_GRACE = catalog.COMMAND_GRACE
+MAX_GRACE = catalog.maximum(catalog.COMMAND, "grace_seconds")
 #: How long a member waits to hear a finished peer's failure statement (its watch lags).
 STATEMENT_GRACE = 2.0
+MAX_STATUS = 300  # characters of a program's status said in etcd: how it ended, its last error
 PARAMS = catalog.names(catalog.COMMAND)
 
 
@@ -105,6 +120,16 @@ def program_extras(environ: Mapping[str, str]) -> tuple[dict[str, str], Path | N
     return extra, resolved
 
 
+def check_reachable(folder: Path, uid: int, what: str) -> None:
+    """ValueError naming the folder on the way to `folder` that uid `uid` cannot enter."""
+    blocked = unreachable_folder(folder, uid)
+    if blocked is not None:
+        raise ValueError(
+            f"{JOB} job: {what} {folder} is out of reach of the program's uid {uid}: "
+            f"{blocked} may not be entered by others (chmod o+x it, or choose another folder)"
+        )
+
+
 def published_ports(kvs: Sequence[KeyValue], world_size: int) -> dict[int, int]:
     """rank -> reserved port, from the keys the members published; anything else there
     (a rank out of range, a port that is not one) is refused, naming the key."""
@@ -134,7 +159,7 @@ def failures(kvs: Sequence[KeyValue], world_size: int) -> dict[int, tuple[float,
         if not (name.isdigit() and int(name) < world_size and isinstance(status, str)):
             continue
         if type(at) in (int, float) and math.isfinite(at):
-            found[int(name)] = (float(at), kv.create_revision, status[:200])
+            found[int(name)] = (float(at), kv.create_revision, status[:MAX_STATUS])
     return found
 
 
@@ -151,7 +176,7 @@ class CommandJob:
         self.program = check_program(program)
         self.world_size = world_size
         #: How long stopping the program may take; the worker's watchdog waits this much more.
-        self.stop_grace = float_param(JOB, params, "grace_seconds", DEFAULT_GRACE)
+        self.stop_grace = float_param(JOB, params, "grace_seconds", DEFAULT_GRACE, MAX_GRACE)
         self.artifacts_root = artifacts_dir(JOB, params)
         on_loss = params.get("on_loss", "fail")
         if on_loss not in ("fail", "continue"):
@@ -160,11 +185,18 @@ class CommandJob:
         #: for programs whose `ctx.steps(on_loss="continue")` carry on without it).
         self.carry_on = on_loss == "continue"
         self.extra_env, self.working_dir = program_extras(os.environ)
+        #: The uid the program runs under (the launcher's choice), or None: the member's.
+        self.run_as = uid_from_environment(os.environ)
+        self.nproc = program_nproc(os.environ) if self.run_as is not None else None
+        if self.run_as is not None and self.working_dir is not None:
+            check_reachable(self.working_dir, self.run_as, "working_dir")
         #: The `training` barrier waits for the slowest program, as torchrun does
         #: (a lost member still ends the wait at once).
         self.training_timeout = float("inf")
         self._reserved: socket.socket | None = None
         self._private: Path | None = None
+        self._proxy: EtcdProxy | None = None
+        self._proxy_folder: Path | None = None
         self._group: ProgramGroup | None = None
         self._wake = threading.Event()
         self._ended_at = 0.0  # when the program ended (wall clock: compared across hosts)
@@ -204,7 +236,14 @@ class CommandJob:
         fd = os.open(roster_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(roster_document(roster, ports), handle, indent=1)
-        base = {k: v for k, v in os.environ.items() if k not in (PROGRAM_ENV, PROGRAM_DIR)}
+        if self.run_as is not None:  # the program's own: these files, and nothing else of ours
+            check_reachable(artifacts.parent, self.run_as, "artifacts")
+            check_reachable(self._private.parent, self.run_as, "the temporary folder")
+            hand_over(artifacts, self.run_as, 0o700)  # no other job's programs may write it
+            os.chmod(self._private, 0o711)  # enterable, not listable: the files stay private
+            hand_over(roster_file, self.run_as, 0o600)
+        hidden = (PROGRAM_ENV, PROGRAM_DIR, RUN_AS_ENV, NPROC_ENV)
+        base = {k: v for k, v in os.environ.items() if k not in hidden}
         env = program_environment(
             {**base, **self.extra_env},
             roster=roster,
@@ -212,7 +251,7 @@ class CommandJob:
             ports=ports,
             roster_file=roster_file,
             artifacts=artifacts,
-            etcd_endpoints=",".join(member.etcd.endpoints),
+            etcd_endpoints=self._start_proxy(member).endpoint,
             namespace=member.etcd.namespace,
             lease=member.lease_id,
             etcd_wait=member.etcd.retry_window,
@@ -221,8 +260,29 @@ class CommandJob:
             member.carry_on_without_lost()
         self._release_port()  # free when the program starts
         member.phase = "program"
-        group = ProgramGroup(self.program, env, self.working_dir, rank=rank)
+        group = ProgramGroup(
+            self.program, env, self.working_dir, rank=rank, user=self.run_as, nproc=self.nproc
+        )
         return self._supervise(member, group)
+
+    def _start_proxy(self, member: Member) -> EtcdProxy:
+        """The program's way to etcd: a proxy on a 0600 socket in a folder of this member's
+        (its private folder, or a shorter one when that path would not fit a socket), the
+        program's uid's when it runs under one of its own."""
+        assert self._private is not None
+        folder = self._private
+        if len(str(folder / "etcd.sock")) > MAX_SOCKET_PATH:
+            self._proxy_folder = folder = make_private_folder("etcd", root="/tmp")
+        scope = Scope(
+            f"{member.etcd.namespace}/{job_path(member.job_id)}".encode(),
+            attachable=frozenset({member.lease_id}),
+        )
+        self._proxy = EtcdProxy(member.etcd, scope, folder / "etcd.sock").start()
+        if self.run_as is not None:  # the program's uid connects; nobody else's
+            if folder is not self._private:
+                os.chmod(folder, 0o711)  # enterable, not listable, like the private folder
+            hand_over(self._proxy.socket_path, self.run_as, 0o600)
+        return self._proxy
 
     def _supervise(self, member: Member, group: ProgramGroup) -> dict[str, object]:
         self._group = group
@@ -242,7 +302,8 @@ class CommandJob:
         assert code is not None
         group.stop(self.stop_grace)  # what the program left behind in its group
         if code != 0:
-            raise self._cause(member, describe_status(code))
+            last = group.relay.last_error
+            raise self._cause(member, describe_status(code) + (f" ({last})" if last else ""))
         return {"rank": member.rank, "exit_code": 0, "program": self.program[0]}
 
     def _cause(self, member: Member, status: str) -> RendezvousError:
@@ -259,7 +320,7 @@ class CommandJob:
         rank = member.rank or 0
         prefix = member.keys.command_failures(member.round)
         ended = self._ended_at
-        said = json.dumps({"status": status[:200], "at": ended})
+        said = json.dumps({"status": status[:MAX_STATUS], "at": ended})
         revision = member.etcd.put(
             member.keys.command_failure(member.round, rank), said, member.lease_id
         )
@@ -323,6 +384,12 @@ class CommandJob:
         if self._group is not None:
             self._group.stop(self.stop_grace)
             self._group = None
+        if self._proxy is not None:  # (after the program: nothing calls through it now)
+            self._proxy.close()
+            self._proxy = None
+        if self._proxy_folder is not None:
+            shutil.rmtree(self._proxy_folder, ignore_errors=True)
+            self._proxy_folder = None
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
             sweep_private_folders(self._private.parent)  # a killed peer's, say

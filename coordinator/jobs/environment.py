@@ -1,7 +1,7 @@
 """What the `command` kind tells a user's program: its environment and its roster file.
 
 Pure functions of the roster and the member's settings, so the contract (torch's
-env:// variables plus ours, see the README's table) is one place and testable
+env:// variables plus ours, see docs/programs.md's table) is one place and testable
 without processes. The round's secret never reaches either: the roster file is
 built from `model_dump`, which leaves it out.
 """
@@ -103,8 +103,9 @@ def program_environment(
     etcd_wait: float | None = None,
 ) -> dict[str, str]:
     """The member's environment with the contract's variables set (ours win over inherited
-    ones of the same name). Only the etcd settings' names and file paths pass: there is
-    no password variable to pass (the password lives in the file the path names).
+    ones of the same name). None of the member's etcd settings pass (user, password file,
+    CA, certificate, key): `etcd_endpoints` is the member's proxy (`unix:<socket>`,
+    coordinator.etcd.proxy), which holds them and forwards only the job's own calls.
 
     `lease` is the member's etcd lease (COORDINATOR_LEASE, hex): `coordinator.context()`
     binds the program's barrier keys to it, so they live exactly as long as the member.
@@ -133,8 +134,7 @@ def program_environment(
     if etcd_wait is not None:
         env["COORDINATOR_ETCD_WAIT"] = f"{etcd_wait:g}"
     for var in ETCD_SECURITY_ENV.values():
-        if not env.get(var):
-            env.pop(var, None)
+        env.pop(var, None)
     if env.get(GPUS_ENV):  # the member's GPUs win over an inherited or submitted setting
         env["CUDA_VISIBLE_DEVICES"] = env[GPUS_ENV]
     return env

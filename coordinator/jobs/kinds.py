@@ -258,7 +258,8 @@ class CommandKind(JobKind):
         from coordinator.jobs.params import check_known, float_param
 
         check_known(COMMAND, params, catalog.names(self.params))  # the program: the member's
-        float_param(COMMAND, params, "grace_seconds", catalog.COMMAND_GRACE)
+        grace_max = catalog.maximum(self.params, "grace_seconds")
+        float_param(COMMAND, params, "grace_seconds", catalog.COMMAND_GRACE, grace_max)
 
 
 KINDS: dict[str, JobKind] = {
@@ -317,5 +318,10 @@ def make_job(
     kind: str, params: dict[str, str], world_size: int, program: Sequence[str] | None = None
 ) -> Job:
     """A member's job of `kind`; `program` (a list, never split or joined) only for
-    `command`. Raises ValueError naming bad input."""
-    return kind_of(kind).build_member(params, world_size, program)
+    `command`. Raises ValueError naming bad input, and a thread count above this host's
+    cap (the member's own check: a record may reach etcd by other paths than a submit)."""
+    from coordinator.jobs.threads import check_thread_caps, thread_cap
+
+    chosen = kind_of(kind)
+    check_thread_caps(kind, chosen.params, params, thread_cap())
+    return chosen.build_member(params, world_size, program)

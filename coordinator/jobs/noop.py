@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coordinator.jobs.catalog import NOOP, names
+from coordinator.jobs.catalog import NOOP, maximum, names
 from coordinator.jobs.params import check_known, float_param
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def check(params: dict[str, str]) -> float:
     check_known("noop", params, names(NOOP))
-    return float_param("noop", params, "seconds", 0.0)
+    return float_param("noop", params, "seconds", 0.0, maximum(NOOP, "seconds"))
 
 
 def run(member: Member, seconds: float) -> dict[str, object]:

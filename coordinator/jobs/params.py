@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -52,26 +53,57 @@ def int_param(
         ) from None
 
 
-def int_at_least(job: str, params: dict[str, str], name: str, default: int, minimum: int) -> int:
-    """An integer of at least `minimum` (a count, a seed): the error names the bound."""
+def int_at_least(
+    job: str,
+    params: dict[str, str],
+    name: str,
+    default: int,
+    minimum: int,
+    maximum: float | None = None,
+) -> int:
+    """An integer of at least `minimum` (a count, a seed) and at most `maximum` where the
+    catalog gives one: the error names the bound."""
     value = int_param(job, params, name, default)
     assert value is not None
     if value < minimum:
         raise ValueError(f"{job} job: parameter {name} must be >= {minimum}, got {value}")
+    _at_most(job, name, value, maximum)
     return value
 
 
-def float_param(job: str, params: dict[str, str], name: str, default: float) -> float:
-    """A non-negative number (durations, factors)."""
+def float_param(
+    job: str, params: dict[str, str], name: str, default: float, maximum: float | None = None
+) -> float:
+    """A finite non-negative number (durations, factors), at most `maximum` where the
+    catalog gives one (`inf` or `1e308` seconds would overflow a timer in the member)."""
     if name not in params:
         return default
     try:
         value = float(params[name])
     except ValueError:
         raise ValueError(f"{job} job: parameter {name}={params[name]!r} is not a number") from None
-    if not value >= 0:
-        raise ValueError(f"{job} job: parameter {name} must be >= 0, got {params[name]!r}")
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError(
+            f"{job} job: parameter {name} must be a finite number >= 0, got {params[name]!r}"
+        )
+    _at_most(job, name, value, maximum)
     return value
+
+
+def _at_most(job: str, name: str, value: float, maximum: float | None) -> None:
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"{job} job: parameter {name} must be <= {_number(maximum)}, got {_number(value)}"
+        )
+
+
+def _number(value: float) -> str:
+    """A bound or a value as a person reads it: no `1e+06` for a million, and a
+    400-digit integer cut short."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        value = int(value)
+    text = str(value) if isinstance(value, int) else f"{value:g}"
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 def artifacts_dir(job: str, params: dict[str, str]) -> Path:

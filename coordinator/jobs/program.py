@@ -20,10 +20,16 @@ from typing import IO
 
 from coordinator.events import REPORTS_FD_ENV
 from coordinator.jobs.relay import Relay, Stream
+from coordinator.jobs.run_as import NPROC_ENV
 
 REAPER = Path(__file__).with_name("reaper.py")
 _POLL = 0.02  # seconds between checks that a stopped group is empty
 _DRAIN = 5.0  # seconds to wait for the program's last output lines once the group is empty
+
+
+def _nproc_env(user: int | None, nproc: int | None) -> dict[str, str]:
+    """What tells the reaper the program's RLIMIT_NPROC (only under a uid of its own)."""
+    return {NPROC_ENV: str(nproc)} if user is not None and nproc is not None else {}
 
 
 class ProgramGroup:
@@ -35,14 +41,28 @@ class ProgramGroup:
         env: Mapping[str, str],
         cwd: Path | None = None,
         rank: int | None = None,
+        user: int | None = None,
+        nproc: int | None = None,
     ) -> None:
+        """`user`: the uid (and group) the program runs under, none of ours kept
+        (`coordinator.jobs.run_as`): the reaper drops to it as it starts the program, and
+        stays ours, so that it can still stop the group. None: ours. `nproc`: the
+        RLIMIT_NPROC it sets as it drops to `user` (all that uid's processes are the job's)."""
         # The reports of `coordinator.context()` come on a pipe of their own: written from
         # a timer thread into stdout, one could land inside a line the program was printing.
         reports, reports_end = os.pipe()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(REAPER), str(os.getpid()), *program],
-                env={**env, REPORTS_FD_ENV: str(reports_end)},
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    str(REAPER),
+                    str(os.getpid()),
+                    str(user or "-"),
+                    *program,
+                ],
+                env={**env, REPORTS_FD_ENV: str(reports_end), **_nproc_env(user, nproc)},
                 cwd=cwd,
                 stdout=subprocess.PIPE,  # passed on by the member (relay.py): never its events
                 stderr=subprocess.PIPE,

@@ -4,7 +4,9 @@ follows through pipes.
 The embedded default: no containers, no cluster, just `coordinator worker`
 processes on this machine (the service's local launcher keeps log files instead).
 Each worker's JSON progress lines are read from its stdout; its stderr is kept for
-the report when it fails.
+the report when it fails. Both are read as bytes and split at `\n` only, as every
+reader of members' output splits (`events.split_lines`): text mode's universal
+newlines would end a line at a `\r` inside one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Literal
 
@@ -26,6 +29,7 @@ from coordinator.events import (
     Output,
     Phase,
     Report,
+    neutralise,
     parse_event,
 )
 from coordinator.launch import WorkerCommand
@@ -35,7 +39,7 @@ from coordinator.launch.local import start_process
 @dataclass
 class LocalWorker:
     index: int
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[bytes]
     rank: int | None = None
     phase: str = "starting"
     done: Done | None = None
@@ -57,9 +61,7 @@ class LocalLauncher:
         self.workers: list[LocalWorker] = []
         try:
             for index in range(n):
-                process = start_process(
-                    command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                )
+                process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                 worker = LocalWorker(index, process)
                 self.workers.append(worker)
                 threading.Thread(target=self._read_events, args=(worker,), daemon=True).start()
@@ -72,7 +74,7 @@ class LocalLauncher:
 
     def _read_events(self, worker: LocalWorker) -> None:
         assert worker.process.stdout is not None
-        for line in worker.process.stdout:
+        for line in _lines(worker.process.stdout):
             event = parse_event(line)
             if event is None:  # plain output, or a line that only looks like an event
                 self._output(worker, "stdout", line)
@@ -96,13 +98,13 @@ class LocalLauncher:
 
     def _output(self, worker: LocalWorker, stream: Literal["stdout", "stderr"], line: str) -> None:
         if self.echo:
-            event = Output(stream=stream, line=line.rstrip("\n")[:MAX_LINE_BYTES])
+            event = Output(stream=stream, line=line[:MAX_LINE_BYTES])
             self.events.put((worker.index, event))
 
-    def _read_stderr(self, worker: LocalWorker, stream: IO[str] | None) -> None:
+    def _read_stderr(self, worker: LocalWorker, stream: IO[bytes] | None) -> None:
         assert stream is not None
-        for line in stream:
-            worker.stderr.append(line.rstrip("\n"))
+        for line in _lines(stream):
+            worker.stderr.append(line)
             if len(worker.stderr) > 2000:  # a program may write without end: keep the last
                 del worker.stderr[:1000]
             self._output(worker, "stderr", line)
@@ -122,3 +124,10 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 worker.process.kill()
                 worker.process.wait()
+
+
+def _lines(stream: IO[bytes]) -> Iterator[str]:
+    """The lines of a member's stream, split at `\n` only (binary reads split nowhere
+    else), decoded and with no other line end left in them (`events.neutralise`)."""
+    for raw in stream:
+        yield neutralise(raw.removesuffix(b"\n").decode(errors="replace"))

@@ -46,35 +46,54 @@ class FlatOptimizer:
             self.buffers = {"momentum": torch.empty(size)}
 
     @torch.no_grad()
-    def step(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """`out` = `weights` after one step with `grad`; `weights` is only read. Every
-        `decay_every` steps the learning rate is then multiplied by `decay` (the live
-        server and the simulator share this schedule)."""
+    def step(
+        self,
+        weights: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor,
+        scale: float = 1.0,
+        momentum: float | None = None,
+    ) -> None:
+        """`out` = `weights` after one step with `grad`; `weights` is only read. `scale`
+        multiplies this step's lr (SGD: this gradient's share of the momentum buffer);
+        `momentum` replaces SGD's for this step and later ones (an update rule's, see
+        `coordinator.ps.rules`). Every `decay_every` steps the learning rate is then
+        multiplied by `decay` (the live server and the simulator share this schedule)."""
         self.steps += 1
+        if momentum is not None:  # a rule only ever lowers it: the buffer is there or unneeded
+            self.momentum = momentum
         if self.name == "adam":
-            self._adam(weights, grad, out)
+            self._adam(weights, grad, out, scale)
         else:
-            self._sgd(weights, grad, out)
+            self._sgd(weights, grad, out, scale)
         if self.decay_every and self.steps % self.decay_every == 0:
             self.lr *= self.decay
 
-    def _sgd(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-        direction = grad
-        if self.momentum:
-            buffer = self.buffers["momentum"]
-            if self.steps == 1:
-                buffer.copy_(grad)
-            else:
-                buffer.mul_(self.momentum).add_(grad)
-            direction = buffer
-        torch.add(weights, direction, alpha=-self.lr, out=out)
+    def _sgd(
+        self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> None:
+        if "momentum" not in self.buffers:
+            torch.add(weights, grad, alpha=-self.lr * scale, out=out)
+            return
+        buffer = self.buffers["momentum"]
+        if self.steps == 1:
+            buffer.copy_(grad)
+            if scale != 1.0:
+                buffer.mul_(scale)
+        elif scale == 1.0:
+            buffer.mul_(self.momentum).add_(grad)
+        else:
+            buffer.mul_(self.momentum).add_(grad, alpha=scale)
+        torch.add(weights, buffer, alpha=-self.lr, out=out)
 
-    def _adam(self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _adam(
+        self, weights: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> None:
         beta1, beta2 = ADAM_BETAS
         exp_avg, exp_avg_sq = self.buffers["exp_avg"], self.buffers["exp_avg_sq"]
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = self.lr / (1 - beta1**self.steps)
+        step_size = self.lr * scale / (1 - beta1**self.steps)
         denominator = torch.sqrt(exp_avg_sq, out=self._denominator)
         denominator.div_(math.sqrt(1 - beta2**self.steps)).add_(ADAM_EPS)
         torch.addcdiv(weights, exp_avg, denominator, value=-step_size, out=out)

@@ -42,6 +42,7 @@ from coordinator.ps import wire
 from coordinator.ps.checkpoints import Checkpoints, Saved
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
 from coordinator.ps.published import PublishedWeights
+from coordinator.ps.rules import UpdateRule, Updates, default_rule
 from coordinator.ps.wire import Dtype, Hello, Kind, PeerClosed, ProtocolError
 
 MAX_CLOCK = 1 << 40  # a trainer's clock in a PUSH: far beyond any job, far below overflow
@@ -91,11 +92,13 @@ class ParameterServer:
         tensors: Sequence[tuple[str, torch.Tensor]],
         trainers: int,
         optimizer: OptimizerSpec,
+        rule: UpdateRule | None = None,
         aggregate: bool = False,
         checkpoints: Checkpoints | None = None,
         max_updates: int | None = None,
     ) -> None:
-        """`max_updates`: the most updates this run can apply (None: no bound); a PULL
+        """`rule`: the update rule (`coordinator.ps.rules`; default: the optimizer's);
+        `max_updates`: the most updates this run can apply (None: no bound); a PULL
         for a later version is refused instead of waiting for ever."""
         self.job_id, self.round, self.index = job_id, round_, index
         self.layout = [(name, list(t.shape)) for name, t in tensors]
@@ -105,6 +108,14 @@ class ParameterServer:
         self.size = sum(t.numel() for _, t in tensors)
         self.weights = PublishedWeights(torch.cat([t.detach().reshape(-1) for _, t in tensors]))
         self.optimizer = FlatOptimizer(optimizer, self.size)
+        self.rule = Updates(
+            rule or default_rule(optimizer.name, aggregate),
+            trainers=trainers,
+            aggregate=aggregate,
+            momentum=optimizer.momentum,
+        )
+        #: dc: per trainer, (version, a copy of the weights it last pulled).
+        self.pulled: dict[int, tuple[int, torch.Tensor]] = {}
         self.aggregate = aggregate
         self.version = 0
         self.trainers = {t: _Trainer() for t in range(trainers)}
@@ -175,7 +186,9 @@ class ParameterServer:
             header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.BYE)
             if header.kind == Kind.PULL:
                 wire.expect_no_payload(header)
-                self._send(sock, *self._borrow_at_least(header.a, sock.gettimeout()), 0)
+                weights, version = self._borrow_at_least(header.a, sock.gettimeout())
+                self._keep_pulled(trainer, weights, version)
+                self._send(sock, weights, version, 0)
             elif header.kind in (Kind.PUSH, Kind.PUSH_PULL):
                 if trainer is None:
                     raise ProtocolError("a reader cannot push gradients")
@@ -247,11 +260,24 @@ class ParameterServer:
             if not weights_back:
                 wire.send(sock, Kind.ACK, self.version + 1, applied.staleness)
             self.trainers[trainer].clock = clock  # before the update: its checkpoint has it
-            self._update(grad, [applied])
+            kept = self.pulled.get(trainer)
+            pulled = kept[1] if kept is not None and kept[0] == computed_from else None
+            self._update(grad, [applied], applied.staleness, pulled)
             if not weights_back:
                 return
             weights, version = self.weights.borrow(), self.version
+        self._keep_pulled(trainer, weights, version)
         self._send(sock, weights, version, applied.staleness)
+
+    def _keep_pulled(self, trainer: int | None, weights: torch.Tensor, version: int) -> None:
+        """dc: copy the weights `trainer` was just sent (a borrowed buffer: nobody writes
+        it meanwhile); its next gradient is compensated against them."""
+        if trainer is None or not self.rule.keeps_pulled_weights:
+            return
+        kept = self.pulled.get(trainer)
+        copy = torch.empty_like(weights) if kept is None else kept[1]
+        copy.copy_(weights)
+        self.pulled[trainer] = (version, copy)
 
     def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
@@ -285,15 +311,22 @@ class ParameterServer:
             rows = [Applied(t, clock, step.versions[t], self.version, now) for t in order]
             for t in order:
                 self.trainers[t].clock = clock
-            self._update(mean, rows)
+            self._update(mean, rows, 0)
             step.applied = True
             del self._steps[clock]
             self.changed.notify_all()
 
-    def _update(self, grad: torch.Tensor, rows: list[Applied]) -> None:
-        """One optimizer step with `grad` (called under the lock)."""
+    def _update(
+        self,
+        grad: torch.Tensor,
+        rows: list[Applied],
+        staleness: int,
+        pulled: torch.Tensor | None = None,
+    ) -> None:
+        """One optimizer step with `grad`, sized by the update rule (under the lock)."""
         updated = self.weights.writable()
-        self.optimizer.step(self.weights.current, grad, out=updated)
+        scale, momentum = self.rule.prepare(grad, staleness, self.weights.current, pulled)
+        self.optimizer.step(self.weights.current, grad, updated, scale, momentum)
         self.weights.publish(updated)
         self.version += 1
         self.log.extend(rows)

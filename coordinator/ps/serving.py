@@ -22,6 +22,7 @@ from coordinator.ps.checkpoints import Checkpoints
 from coordinator.ps.model import server_tensors
 from coordinator.ps.optim import OptimizerSpec
 from coordinator.ps.peers import Peers
+from coordinator.ps.rules import DEFAULT_COMPENSATION, check_rule, default_rule
 from coordinator.ps.server import Applied, ParameterServer
 from coordinator.rendezvous.endpoint import MemberEndpoint
 
@@ -144,6 +145,8 @@ def serve(
     trainers: int,
     peers: Peers | None = None,
     optimizer: OptimizerSpec | None = None,
+    update_rule: str | None = None,
+    compensation: float = DEFAULT_COMPENSATION,
     aggregate: bool = False,
     checkpoint_dir: Path | None = None,
     checkpoint_every: int = 0,
@@ -153,6 +156,9 @@ def serve(
     """Server `index` of `servers`, for `trainers` trainers, starting from `model`'s
     weights (every server must build the same initial model: seed it).
 
+    - `update_rule`: how a gradient becomes a step (`coordinator.ps.rules`): `plain`,
+      `scaled` (the default with SGD and `aggregate`), `async` (the default otherwise
+      with SGD), `staleness` or `dc` (`compensation`: its lambda).
     - `aggregate`: each step's gradients of every live trainer are averaged into one
       update, and each push waits for it (synchronous SGD, for BSP).
     - `checkpoint_dir`: every `checkpoint_every` updates the share, the optimizer state,
@@ -169,6 +175,15 @@ def serve(
         raise ValueError(f"serve: trainers must be >= 1, got {trainers}")
     if checkpoint_every < 0:
         raise ValueError(f"serve: checkpoint_every must be >= 0, got {checkpoint_every}")
+    optimizer = optimizer or OptimizerSpec("sgd", 0.02)
+    try:
+        rule = (
+            default_rule(optimizer.name, aggregate)
+            if update_rule is None
+            else check_rule(update_rule, compensation, optimizer.name)
+        )
+    except ValueError as exc:
+        raise ValueError(f"serve: {exc}") from None
     checkpoints = None
     if checkpoint_dir is not None:
         path = Path(checkpoint_dir) / f"server-{index}.pt"
@@ -179,7 +194,8 @@ def serve(
         index=index,
         tensors=server_tensors(model, servers, index),
         trainers=trainers,
-        optimizer=optimizer or OptimizerSpec("sgd", 0.02),
+        optimizer=optimizer,
+        rule=rule,
         aggregate=aggregate,
         checkpoints=checkpoints,
         max_updates=max_updates,

@@ -7,20 +7,29 @@ so the leader knows it reaches the right process at the published address (not
 a stale container that reused the IP, nor a stranger), and the member knows the
 caller is one of the job's.
 
-Every accepted connection is bounded: the handshake must end within
-`handshake_timeout`, a connection idle for `idle_timeout` is dropped, and past
-`max_connections` at once a new one is closed at once, before any byte is read.
+Every accepted connection is bounded. Until the caller's proof arrives it is a pending
+handshake, held by one thread for all (a selector): it must say something within 2 s
+and finish within `handshake_timeout`, and pending ones are counted apart from
+channels, with a cap per source address (`admission`): a flood of idle connections
+churns its own, never the real callers'. A proven caller gets a channel, a thread of
+its own, up to `max_connections` at once (past them, it is closed unanswered); a
+channel idle for `idle_timeout` is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import secrets
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from coordinator.rendezvous import handshake
+from coordinator.rendezvous.admission import Admission
 from coordinator.rendezvous.handshake import HandshakeError, HandshakeKey
 
 Handler = Callable[[socket.socket], None]
@@ -28,6 +37,17 @@ Handler = Callable[[socket.socket], None]
 HANDSHAKE_TIMEOUT = 5.0
 IDLE_TIMEOUT = 300.0
 MAX_CONNECTIONS = 64
+ACCEPTS_PER_TURN = 32  # connections accepted between two looks at the pending ones
+
+
+@dataclass
+class _Pending:
+    """A connection whose caller has not proven the secret yet."""
+
+    id: int
+    conn: socket.socket
+    nonce: bytes
+    received: bytearray = field(default_factory=bytearray)
 
 
 class MemberEndpoint:
@@ -56,13 +76,15 @@ class MemberEndpoint:
         self.max_connections = max_connections
         self.handler: Handler | None = None
         self._key: HandshakeKey | None = None
-        self._authorized = threading.Condition()
-        self._active = 0  # connections accepted and not yet closed
+        self._authorized = threading.Condition()  # also guards `_books`
+        self._books = Admission(max_connections, handshake_timeout)
+        self._ids = itertools.count()
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         # Every member probes the leader at once: a short backlog would drop their
         # connections, and each dropped one waits a second for its SYN to be resent.
         backlog = max(128, min(max_connections, 4096))
         self._sock = socket.create_server((bind_host, port), family=family, backlog=backlog)
+        self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name="member-endpoint")
@@ -70,9 +92,15 @@ class MemberEndpoint:
 
     @property
     def active(self) -> int:
-        """Connections open right now (in the handshake or with the handler)."""
+        """Connections open right now (pending handshakes and channels)."""
         with self._authorized:
-            return self._active
+            return self._books.pending + self._books.channels
+
+    @property
+    def pending(self) -> int:
+        """Connections whose caller has not proven the secret (yet)."""
+        with self._authorized:
+            return self._books.pending
 
     def authorize(self, secret: bytes, round_: int) -> None:
         """From now on admit callers proving `secret` for this job, round and member."""
@@ -89,24 +117,125 @@ class MemberEndpoint:
             return None if self._closed else self._key
 
     def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._authorized:
-                admitted = self._active < self.max_connections
-                self._active += admitted
-            if not admitted:  # over the cap: closed at once, nothing read or said
-                _close(conn)
-                continue
-            threading.Thread(
-                target=self._admit, args=(conn,), daemon=True, name="member-channel"
-            ).start()
-
-    def _admit(self, conn: socket.socket) -> None:
+        """Accept, send each newcomer its challenge and read the callers' proofs, all in
+        this one thread; a proof read goes to a channel thread (`_finish`)."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._sock, selectors.EVENT_READ)
+        pending: dict[int, _Pending] = {}
         try:
-            if not handshake.answer(conn, self._key_by, self.handshake_timeout):
+            while not self._closed:
+                with self._authorized:
+                    due = self._books.next_deadline()
+                wait = 1.0 if due is None else min(1.0, max(0.0, due - time.monotonic()))
+                ready = selector.select(wait)
+                for key, _ in ready:  # the proofs first: a newcomer never delays them
+                    if key.data is not None:
+                        self._hear(selector, pending, key.data)
+                if any(key.data is None for key, _ in ready) and not self._accept(
+                    selector, pending
+                ):
+                    return
+                with self._authorized:
+                    late = self._books.expired(time.monotonic())
+                for conn_id in late:  # silent, or unfinished: told only "refused"
+                    with contextlib.suppress(OSError):
+                        pending[conn_id].conn.send(handshake.REFUSED)
+                    self._drop(selector, pending, conn_id)
+        finally:
+            for conn_id in list(pending):
+                self._drop(selector, pending, conn_id)
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector, pending: dict[int, _Pending]) -> bool:
+        """Take up to `ACCEPTS_PER_TURN` newcomers; False once the socket is closed."""
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                conn, address = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            conn_id = next(self._ids)
+            with self._authorized:
+                dropped = self._books.arrive(conn_id, address[0], time.monotonic())
+            for old in dropped:  # the oldest pending ones make room: closed, nothing said
+                self._drop(selector, pending, old, forget=False)
+            entry = _Pending(conn_id, conn, secrets.token_bytes(handshake.NONCE_BYTES))
+            try:
+                conn.setblocking(False)
+                sent = conn.send(handshake.challenge(entry.nonce))  # fits any fresh buffer
+            except OSError:
+                sent = 0
+            pending[conn_id] = entry
+            if sent != handshake.CHALLENGE_SIZE:
+                self._drop(selector, pending, conn_id)
+                continue
+            selector.register(conn, selectors.EVENT_READ, conn_id)
+        return True
+
+    def _hear(
+        self, selector: selectors.BaseSelector, pending: dict[int, _Pending], conn_id: int
+    ) -> None:
+        entry = pending.get(conn_id)
+        if entry is None:
+            return
+        try:
+            chunk = entry.conn.recv(handshake.RESPONSE_SIZE - len(entry.received))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the caller stopped short: told only "refused"
+            with contextlib.suppress(OSError):
+                entry.conn.send(handshake.REFUSED)
+            self._drop(selector, pending, conn_id)
+            return
+        entry.received += chunk
+        with self._authorized:
+            self._books.heard(conn_id)
+            if len(entry.received) < handshake.RESPONSE_SIZE:
+                return
+            deadline = self._books.deadline(conn_id)
+            self._books.leave(conn_id)
+            channel = self._books.open_channel()
+        selector.unregister(entry.conn)
+        del pending[conn_id]
+        if not channel:  # every channel taken: closed unanswered
+            _close(entry.conn)
+            return
+        try:
+            threading.Thread(
+                target=self._finish, args=(entry, deadline), daemon=True, name="member-channel"
+            ).start()
+        except RuntimeError:  # no thread to be had (the host's limit): this caller only
+            _close(entry.conn)
+            with self._authorized:
+                self._books.close_channel()
+
+    def _drop(
+        self,
+        selector: selectors.BaseSelector,
+        pending: dict[int, _Pending],
+        conn_id: int,
+        forget: bool = True,
+    ) -> None:
+        entry = pending.pop(conn_id, None)
+        if forget:
+            with self._authorized:
+                self._books.leave(conn_id)
+        if entry is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(entry.conn)
+        _close(entry.conn)
+
+    def _finish(self, entry: _Pending, deadline: float) -> None:
+        conn = entry.conn
+        try:
+            conn.setblocking(True)
+            if not handshake.finish(
+                conn, self._key_by, entry.nonce, bytes(entry.received), deadline
+            ):
                 return
             handler = self.handler
             if handler is not None:
@@ -115,7 +244,7 @@ class MemberEndpoint:
         finally:
             _close_gracefully(conn)
             with self._authorized:
-                self._active -= 1
+                self._books.close_channel()
 
     def close(self) -> None:
         with self._authorized:

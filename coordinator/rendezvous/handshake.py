@@ -169,6 +169,18 @@ def answer(
     except OSError:
         return False
     raw = receive_exactly(sock, RESPONSE_SIZE, deadline)
+    return finish(sock, key_by, endpoint_nonce, raw, deadline)
+
+
+def finish(
+    sock: socket.socket,
+    key_by: Callable[[float], HandshakeKey | None],
+    endpoint_nonce: bytes,
+    raw: bytes,
+    deadline: float,
+) -> bool:
+    """The endpoint's side once the caller's RESPONSE (`raw`) to `endpoint_nonce` is in:
+    ACCEPT and True if it proves the secret, else REFUSED and False."""
     key = key_by(deadline) if len(raw) == RESPONSE_SIZE else None
     caller_nonce = check_response(key, endpoint_nonce, raw) if key is not None else None
     try:

@@ -23,10 +23,12 @@ from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
 from coordinator.service.images import ImagePolicy
-from coordinator.service.model import JobSpec
+from coordinator.service.model import JobSpec, Launcher
 
 DATA_FIELDS = ("data", "eval_data")
 ARTIFACTS_FIELD = "artifacts"
+#: The `serve` option that sets the root of each path field.
+ROOT_OPTIONS = {"working_dir": "--working-dir-root", ARTIFACTS_FIELD: "--artifacts-root"}
 MNIST_BUILTIN = "digits"
 MAX_SYNTHETIC_ROWS = 5_000_000
 MAX_SYNTHETIC_FEATURES = 2_000
@@ -119,7 +121,7 @@ def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None
             f"image: only a container launcher ({', '.join(CONTAINER_LAUNCHERS)}) "
             "runs a job in an image",
         )
-    if spec.working_dir is None:
+    if spec.working_dir is None:  # the root itself (the launcher's members run there)
         return spec
     try:
         folder = confine("working_dir", spec.working_dir, roots.working_dir)
@@ -127,6 +129,15 @@ def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None
         raise Refused("working_dir", str(exc)) from None
     if any(char in folder for char in _GLOB_CHARS):
         raise Refused("working_dir", f"working_dir: {spec.working_dir!r}: no globs in a folder")
+    # On this host (local members): the folder must be there now, not at run time. An
+    # agent's host is looked at by the agent.
+    if spec.launcher == Launcher.LOCAL and not os.path.isdir(folder):
+        raise Refused(
+            "working_dir",
+            f"working_dir: {folder} is not a folder: make it (mkdir -p {folder}) and put "
+            "the program's files there, or give an existing one under "
+            f"{roots.working_dir}",
+        )
     return spec.model_copy(update={"working_dir": folder})
 
 
@@ -186,7 +197,12 @@ def confine(field: str, text: str, root: Path) -> str:
         raise Refused(where, f"{field}: {text!r}: a glob may only be in the file name")
     resolved = os.path.realpath(path)
     if os.path.commonpath([resolved, root]) != str(root):
-        raise Refused(where, f"{field}: {text!r} is outside {root} (the service's root for it)")
+        raise Refused(
+            where,
+            f"{field}: {text!r} is outside {root}, the service's root for it: put it under "
+            f"{root}, or start serve with {ROOT_OPTIONS.get(field, '--data-root')} set to a "
+            "folder above it",
+        )
     return str(path)
 
 

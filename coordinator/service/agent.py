@@ -8,7 +8,9 @@ signals a member whose assignment asks for `stop`, and serves the members' outpu
 over HTTP (`agent_output`). A member of a placement written ahead of its commit waits
 for the commit (`agent_commits`).
 
-It trusts nothing it reads: an assignment that does not pass `Assignment` (the
+It trusts nothing it reads: an assignment must carry the service's signature, for this
+agent and this registration of it, checked with the service's public key
+(`agent_protocol.verified_assignment`); one that does not, or does not pass `Assignment` (the
 options the service writes and no others, paths inside its data dir, its own
 namespace) is reported `refused` and never runs. A member gets its job's etcd user
 from the assignment, in a file only it may read.
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
 from coordinator.etcd.client import Etcd
@@ -40,9 +43,10 @@ from coordinator.etcd.txn import Delete, Put
 from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.keys import Keys, member_name
+from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
 from coordinator.service.agent_commits import PlacementCommits
 from coordinator.service.agent_output import output_server
-from coordinator.service.agent_protocol import Assignment
+from coordinator.service.agent_protocol import Assignment, verified_assignment
 from coordinator.service.agent_records import (
     member_report,
     refusal_reason,
@@ -70,6 +74,7 @@ class AgentOptions:
     agent_id: str
     slots: int
     data_dir: Path
+    service_key: Ed25519PublicKey  # what the service's assignments must be signed with
     labels: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"  # where the output server listens
     port: int = 0
@@ -77,6 +82,8 @@ class AgentOptions:
     ttl: int = 10
     drain_seconds: float = 30.0
     gpus: tuple[int, ...] = ()  # the GPU ids it offers; members get the ones assigned
+    member_pids_limit: int = DEFAULT_PIDS_LIMIT  # processes and threads of each member
+    run_as: range | None = None  # the uids its members' programs run under (`--run-as-uids`)
 
 
 @dataclass
@@ -101,6 +108,8 @@ class Agent:
             die_with_parent=True,
             workdir=options.data_dir,
             extra_env={WORKING_DIR_ROOT_ENV: os.pathsep.join(self.working_dir_roots)},
+            pids_limit=options.member_pids_limit,
+            run_as=options.run_as,
         )
         self.members: dict[str, Running] = {}  # member name -> what runs (or ran)
         self.keys = Keys(etcd.namespace)
@@ -131,6 +140,7 @@ class Agent:
         self.session = Session(self.etcd, self.options.ttl)
         key = self.keys.agent(self.options.agent_id)
         revision = register(self.etcd, self.session, key, self._record, self.options.agent_id)
+        self.registration = revision  # what the service's assignments to it must name
         # Assignments are bound to this agent's lease, new with this registration: there
         # are none before it.
         self._watch = self.etcd.watch(
@@ -223,8 +233,11 @@ class Agent:
         with self._lock:
             running = self.members.get(name)
         try:
+            verified = verified_assignment(
+                self.options.service_key, self.options.agent_id, self.registration, value
+            )
             assignment = Assignment.model_validate_json(
-                value,
+                verified,
                 context={
                     "namespace": self.etcd.namespace,
                     "data_dir": self.options.data_dir,

@@ -5,12 +5,15 @@ member on whichever host it ran.
 It binds only the address it advertises, never every interface, and answers only
 requests that carry the bearer token of the agent's registration (readable by the
 service and the agent alone, through etcd's roles), and only about the members the
-agent started.
+agent started. It holds at most `MAX_CONNECTIONS` connections at once (one more is
+closed at once) and closes one that stays silent for `IDLE_SECONDS`: idle or slow
+clients cannot keep a thread each for ever.
 """
 
 from __future__ import annotations
 
 import hmac
+import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -20,6 +23,33 @@ from coordinator.rendezvous.address import advertise_address
 from coordinator.service.model import Member
 
 ANY_ADDRESS = ("0.0.0.0", "::", "")
+MAX_CONNECTIONS = 32
+IDLE_SECONDS = 10.0
+
+
+class CappedServer(ThreadingHTTPServer):
+    """A thread per connection, at most `MAX_CONNECTIONS` of them: one beyond is closed
+    unanswered (the service reads again at its next tick)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._room = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._room.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._room.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._room.release()
 
 
 def output_server(
@@ -37,7 +67,7 @@ def output_server(
     the member (None: not one of the agent's), `read` its output from a byte offset on."""
     advertised = advertise or (advertise_address(etcd_endpoints) if host in ANY_ADDRESS else host)
     bind = advertised if host in ANY_ADDRESS else host
-    server = ThreadingHTTPServer((bind, port), _handler(token, find, read))
+    server = CappedServer((bind, port), _handler(token, find, read))
     port = server.server_address[1]
     address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
     return server, address
@@ -49,6 +79,8 @@ def _handler(
     read: Callable[[Member, int], bytes],
 ) -> type[BaseHTTPRequestHandler]:
     class Output(BaseHTTPRequestHandler):
+        timeout = IDLE_SECONDS  # each read and write of the connection, idle keep-alive too
+
         def do_GET(self) -> None:  # the http.server interface
             given = self.headers.get("Authorization", "")
             expected = f"Bearer {token}"

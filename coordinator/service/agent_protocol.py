@@ -10,7 +10,10 @@ and the models every value read back must pass: neither side trusts what it read
   agent (`{run_id, attempt, index, worker_args, credentials}`, with `command`, `env`
   and `working_dir` for a command job, `gpus` for one asking GPUs, `placement` for a
   placement written ahead of its commit, and `stop` once the service wants it
-  stopped), bound to the agent's lease. The agent deletes it when
+  stopped), bound to the agent's lease. Signed by the service (`signature`, over the
+  agent's id and every other field, which include `registration`: the create
+  revision of the registration it was placed on, so it never runs on another
+  agent or a later registration of the same id). The agent deletes it when
   the member ends, so the assignments under an agent are its slots in use.
 - `reports/<id>/<member>`: a `Report`, the member as its agent saw it last
   (`running`, then `exited`, or `refused` for an assignment it would not run),
@@ -33,6 +36,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -49,6 +53,18 @@ from coordinator.keys import PLACEMENT_TOKEN, placements_of
 from coordinator.launch import WorkerCommand
 from coordinator.launch.command import check_gpus
 from coordinator.service.model import CHECK_PROGRAM_ENV, ID_PATTERN, MAX_ARG_CHARS, MAX_ARGS
+from coordinator.signing import (
+    ASSIGNMENT,
+    SIGNATURE,
+    SignatureError,
+    Signer,
+    canonical,
+    loads_object,
+    split,
+    verify,
+)
+
+REGISTRATION = "registration"  # an assignment's field: the registration it was placed on
 
 RUN_ID_PATTERN = ID_PATTERN.removesuffix("$") + r"-[A-Za-z0-9]{1,32}$"
 PLACEMENT_PATTERN = RUN_ID_PATTERN.removesuffix("$") + r"-a[0-9]{1,4}-" + PLACEMENT_TOKEN + "$"
@@ -214,6 +230,37 @@ class Assignment(BaseModel):
             if self.credentials.user != expected:
                 raise ValueError(f"credentials are not job {job!r}'s etcd user")
         return self
+
+
+def signed_assignment(signer: Signer, agent_id: str, assignment: dict[str, object]) -> bytes:
+    """The assignment as stored for agent `agent_id`, signed by the service (it names
+    the agent's `registration` revision)."""
+    payload = {k: v for k, v in assignment.items() if k != SIGNATURE}
+    signature = signer.sign(ASSIGNMENT, {"agent": agent_id, "assignment": payload})
+    return canonical({**payload, SIGNATURE: signature})
+
+
+def assignment_payload(key: Ed25519PublicKey, agent_id: str, raw: bytes) -> dict[str, object]:
+    """The fields of the assignment `raw` but its signature, once that verifies as the
+    service's for agent `agent_id`; `SignatureError` otherwise."""
+    payload, signature = split(loads_object(raw))
+    verify(key, ASSIGNMENT, {"agent": agent_id, "assignment": payload}, signature)
+    return payload
+
+
+def verified_assignment(
+    key: Ed25519PublicKey, agent_id: str, registration: int, raw: bytes
+) -> bytes:
+    """The JSON of the assignment `raw` (no signature or registration) for `Assignment`
+    to validate, once the service's signature verifies for this agent and this
+    registration of it; `SignatureError` otherwise."""
+    payload = assignment_payload(key, agent_id, raw)
+    if payload.get(REGISTRATION) != registration:
+        raise SignatureError(
+            f"placed on registration {payload.get(REGISTRATION)!r} of agent {agent_id!r}, "
+            f"not this one ({registration})"
+        )
+    return canonical({k: v for k, v in payload.items() if k != REGISTRATION})
 
 
 class Report(BaseModel):

@@ -22,6 +22,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import Session
 from coordinator.etcd.values import json_object
 from coordinator.service.model import Member
+from coordinator.signing import SignatureError
 
 EXIT_REFUSED = 2  # the exit code reported for an assignment refused: bad arguments
 
@@ -95,6 +96,8 @@ def refusal_report(agent_id: str, reason: str) -> str:
 def refusal_reason(name: str, exc: Exception) -> str:
     """Why assignment `name` is refused, in one line: for a validation error, the field
     and what is wrong with it."""
+    if isinstance(exc, SignatureError):
+        return f"assignment {name} refused: signature: {exc}"
     if isinstance(exc, ValidationError):
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "value"

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -22,6 +23,7 @@ from coordinator.etcd.errors import EtcdError
 from coordinator.service.admission import Roots
 from coordinator.service.boundary import Boundary, document_refusals
 from coordinator.service.context import ApiContext
+from coordinator.service.json_values import encodable
 from coordinator.service.routers import dashboard, health, jobs, simulate, streams
 from coordinator.service.store import InvalidRecord
 
@@ -65,6 +67,12 @@ def create_app(context: ApiContext) -> FastAPI:
     async def invalid_record(request: Request, exc: InvalidRecord) -> JSONResponse:
         """A job whose stored record fails validation: named, never acted on (not a 500)."""
         return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(RequestValidationError)
+    async def refused(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422, whose echo of the input is always made encodable (a value JSON
+        or UTF-8 cannot carry is escaped), so a refusal is never a 500."""
+        return JSONResponse({"detail": encodable(exc.errors())}, 422)
 
     for router in ROUTERS:
         app.include_router(router)

@@ -4,8 +4,9 @@ A pure ASGI middleware, in front of everything FastAPI does: for every route tha
 needs a role it checks the bearer token from the headers alone, so an unauthenticated
 request of any size or content gets a 401 without a byte of its body being received.
 Bodies are capped (by Content-Length, and by counting what streams in: 413). A JSON
-body is decoded here once, within the cap, to refuse NaN and Infinity (422 naming
-the field: Python's JSON reads them, but no answer could carry them back).
+body is decoded here once, within the cap, to refuse non-finite numbers (NaN,
+Infinity, 1e999), lone surrogates and NULs (422 naming the field: Python's JSON
+reads them, but no answer, store or program could carry them on; `json_values`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from coordinator.service.auth import Role, Tokens
+from coordinator.service.json_values import BadValue, check_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -75,43 +77,6 @@ def refusal(needed: Role, granted: Role | None) -> tuple[int, str] | None:
     return None
 
 
-class NonFinite(ValueError):
-    def __init__(self, location: list[str | int], constant: str) -> None:
-        super().__init__(f"{constant} is not a number JSON allows")
-        self.location = location
-        self.constant = constant
-
-
-_NON_FINITE = object()  # what the decoder returns for NaN, Infinity and -Infinity
-
-
-def check_finite(body: bytes) -> None:
-    """Raise NonFinite (with the field's location) for a NaN or an infinity anywhere in a
-    JSON body; say nothing of a body that is not JSON (FastAPI names that itself)."""
-    constants: list[str] = []
-
-    def constant(text: str) -> object:
-        constants.append(text)
-        return _NON_FINITE
-
-    try:
-        document = json.loads(body, parse_constant=constant)
-    except (ValueError, RecursionError):
-        return
-    if not constants:
-        return
-    pending: list[tuple[list[str | int], Any]] = [([], document)]
-    while pending:  # iterative: a deeply nested body must not exhaust the stack
-        location, value = pending.pop()
-        if value is _NON_FINITE:
-            raise NonFinite(location, constants[0])
-        if isinstance(value, dict):
-            pending += [([*location, key], item) for key, item in value.items()]
-        elif isinstance(value, list):
-            pending += [([*location, index], item) for index, item in enumerate(value)]
-    raise NonFinite([], constants[0])  # not reached: JSON keys are text, constants are values
-
-
 class Boundary:
     """The middleware (see the module docstring)."""
 
@@ -148,10 +113,10 @@ class Boundary:
         if body and _is_json(scope["headers"]):
             try:
                 if len(body) > DECODE_INLINE_BYTES:
-                    await asyncio.to_thread(check_finite, body)
+                    await asyncio.to_thread(check_body, body)
                 else:
-                    check_finite(body)
-            except NonFinite as exc:
+                    check_body(body)
+            except BadValue as exc:
                 detail = [{"loc": ["body", *exc.location], "msg": str(exc), "type": "value_error"}]
                 await _answer(send, 422, {"detail": detail})
                 return

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request
 
 from coordinator.etcd.client import Etcd
+from coordinator.jobs.threads import host_cores
 from coordinator.service.admission import Roots
 from coordinator.service.auth import Role, Tokens
 from coordinator.service.boundary import ROLE_KEY
@@ -23,6 +24,7 @@ from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import WorkerLauncher
 from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import Launcher
+from coordinator.service.readiness import Readiness
 from coordinator.service.simulation import Runner
 from coordinator.service.store import InvalidRecord, JobNotFound, JobStore, Stored
 
@@ -44,6 +46,9 @@ class ApiContext:
     images: dict[Launcher, ImagePolicy] = field(default_factory=dict)
     closers: list[Callable[[], None]] = field(default_factory=list)  # run when it stops
     simulator: Runner = field(default_factory=Runner)  # `POST /v1/simulate`'s processes
+    max_threads: int = field(default_factory=host_cores)  # `serve --max-threads`: per member
+    readiness: Readiness | None = None  # what the probes answer (None: made on first use)
+    events_ping: float = 15.0  # seconds between keep-alives on a quiet events stream
 
 
 async def _context(request: Request) -> ApiContext:

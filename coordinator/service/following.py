@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.service.launchers import VANISHED, WorkerLauncher
 from coordinator.service.model import JobRecord, Member
+from coordinator.service.output_reads import OutputReads
 from coordinator.service.series import member_events
 
 
@@ -25,6 +26,7 @@ class Follower:
         self._offsets: dict[tuple[str, int, int], int] = {}  # (job, attempt, index) -> bytes read
         self._progress_at: dict[str, float] = {}
         self._pending_progress: dict[str, dict[str, Any]] = {}  # job -> not yet written
+        self.reads = OutputReads()  # off the reconciler's thread: no agent holds it up
 
     def follow(
         self, record: JobRecord, attempt: int, member: Member, launcher: WorkerLauncher
@@ -33,7 +35,9 @@ class Follower:
         prints is not trusted to fit the record: what would not is left out."""
         key = (record.id, attempt, member.index)
         offset = self._offsets.get(key, 0)
-        chunk = launcher.output(member, offset)
+        chunk = self.reads.read(key, offset, lambda: launcher.output(member, offset))
+        if chunk is None:  # its read is still running: its exit is looked at after it
+            return member
         complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
         self._offsets[key] = offset + len(complete)
         update: dict[str, Any] = {}
@@ -87,6 +91,7 @@ class Follower:
         """An attempt ended: its members' output is read no more (nor the job's, once over)."""
         for index in range(members):
             self._offsets.pop((job_id, attempt, index), None)
+        self.reads.forget(lambda key: key[:2] == (job_id, attempt))
         if job_over:
             self._pending_progress.pop(job_id, None)
             self._progress_at.pop(job_id, None)

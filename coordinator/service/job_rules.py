@@ -86,7 +86,7 @@ def decide(record: JobRecord, members: list[Member], now: float, grace: float) -
         actions.append(StopAttempt("every member exited 0", S.SUCCEEDED))
     elif any(code not in (None, 0) for code in codes):
         then = S.RESTARTING if restarts_left(record) > 0 else S.FAILED
-        actions.append(StopAttempt(root_cause(members), then))
+        actions.append(StopAttempt(root_cause(members, record.id), then))
     return actions
 
 
@@ -102,27 +102,37 @@ def deadline_passed(record: JobRecord) -> str:
     return f"deadline of {record.spec.deadline_seconds:g}s passed"
 
 
-def root_cause(members: list[Member]) -> str:
+def root_cause(members: list[Member], job_id: str) -> str:
     """Why the attempt failed: a member's own failure before one that only lost a peer,
-    and a member that died without a word named by its rank."""
+    and a member that died without a word named by its rank. A failed program is named
+    by the rank whose program ended first (the failure's `culprit`), whichever member
+    said it; the reason ends with the command that shows that rank's output."""
     failures = [m for m in members if m.failure is not None]
     own = [m for m in failures if m.failure and m.failure.get("error") != "MemberLost"]
     for member in own:
-        return describe(member)
+        return describe(member, job_id)
     for member in members:
         if member.exit_code not in (None, 0) and member.failure is None:
-            return describe(member)
-    return describe(failures[0]) if failures else "a member failed"
+            return describe(member, job_id)
+    return describe(failures[0], job_id) if failures else "a member failed"
 
 
-def describe(member: Member) -> str:
+def describe(member: Member, job_id: str) -> str:
     who = f"rank {member.rank}" if member.rank is not None else f"member {member.index}"
+    shown = member.rank  # whose output tells more
     if member.failure is not None:
         error, message = member.failure.get("error"), member.failure.get("message")
-        return f"{who} failed ({error}): {message}"
-    if member.exit_code == VANISHED:
-        return f"{who} ended without a word (killed?)"
-    signal_number = (member.exit_code or 0) - 128
-    if signal_number > 0:
-        return f"{who} was killed by signal {signal_number} (exit {member.exit_code})"
-    return f"{who} exited {member.exit_code}"
+        culprit = member.failure.get("culprit")
+        if error == "ProgramFailed" and type(culprit) is int:  # "rank 1: the program ..."
+            said, shown = str(message), culprit
+        else:
+            said = f"{who} failed ({error}): {message}"
+    elif member.exit_code == VANISHED:
+        said = f"{who} ended without a word (killed?)"
+    elif (member.exit_code or 0) > 128:
+        said = f"{who} was killed by signal {member.exit_code - 128} (exit {member.exit_code})"
+    else:
+        said = f"{who} exited {member.exit_code}"
+    if shown is None:
+        return said
+    return f"{said}; its output: coordinator logs {job_id} --rank {shown}"

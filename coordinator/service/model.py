@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from coordinator.keys import member_name
+from coordinator.service.json_values import text_problem
 
 ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a DNS label: also a container name
 MAX_ARGS = 256  # a command's program and arguments
@@ -102,7 +103,14 @@ class JobSpec(BaseModel):
     ] = Field(default_factory=dict)
     working_dir: Annotated[
         str | None,
-        Field(min_length=1, max_length=1024, description="command: the program's folder"),
+        Field(
+            min_length=1,
+            max_length=1024,
+            description="command: the folder the program runs in, under the working-dir "
+            "root of the host that runs it (serve --working-dir-root, an agent's data dir or "
+            "roots; relative: from the root); absent: the root itself. docker, kubernetes: "
+            "the container's absolute working directory",
+        ),
     ] = None
     image: Annotated[
         str | None,
@@ -129,6 +137,17 @@ class JobSpec(BaseModel):
             return {key: _as_text(item) for key, item in value.items()}
         return value
 
+    @model_validator(mode="after")
+    def _plain_text(self) -> JobSpec:
+        """No NUL and no lone surrogate in any text of the spec (the API refuses them at
+        its boundary; this holds for a record read from etcd too): no program, store or
+        answer could take one."""
+        for location, text in _texts(self):
+            problem = text_problem(text)
+            if problem:
+                raise ValueError(f"{location}: {problem}")
+        return self
+
     @field_validator("labels", "agent_selector")
     @classmethod
     def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
@@ -136,6 +155,17 @@ class JobSpec(BaseModel):
             if not LABEL_KEY.match(key) or len(text) > 63:
                 raise ValueError(f"label {key!r}: keys are 1-63 of [A-Za-z0-9._/-], values <= 63")
         return value
+
+
+def _texts(spec: JobSpec) -> list[tuple[str, str]]:
+    """(where, text) for every text of the spec, keys included."""
+    found = [("id", spec.id), ("kind", spec.kind)]
+    found += [(name, value) for name in ("working_dir", "image") if (value := getattr(spec, name))]
+    found += [(f"command[{i}]", arg) for i, arg in enumerate(spec.command or [])]
+    for name in ("params", "labels", "agent_selector", "env"):
+        for key, value in getattr(spec, name).items():
+            found += [(name, key), (f"{name}.{key!r}", value)]
+    return found
 
 
 def _as_text(value: Any) -> Any:
@@ -239,6 +269,9 @@ class JobRecord(BaseModel):
     artifacts: dict[str, str] = Field(default_factory=dict)
     submitted_at: Time
     cancel_requested_at: Time | None = None
+    # The service's Ed25519 signature over every other field (`coordinator.signing`): a
+    # record it did not write is never acted on.
+    signature: Annotated[str, Field(max_length=100)] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> JobRecord:
@@ -311,3 +344,35 @@ def _member_problem(record: JobRecord, attempt: int, member: Member, seen: set[i
 class JobList(BaseModel):
     jobs: list[JobRecord]
     next_page_token: str | None = None
+
+
+# -- the simulator's request and answer (`POST /v1/simulate`) ---------------------------
+
+
+class SimulationRequest(BaseModel):
+    """A simulator run: its size is priced before it starts (see `simulation`)."""
+
+    barrier: Annotated[str, Field(max_length=200, description="methods, e.g. bsp,ssp:2,asp")] = (
+        "bsp,ssp:2,asp"
+    )
+    workers: Annotated[int, Field(ge=1, le=10_000)] = 100
+    seconds: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 100.0
+    delay: Annotated[
+        str,
+        Field(
+            max_length=200,
+            description="exp:SHIFT,MEAN | gamma:SHAPE,SCALE | straggler:FRACTION,FACTOR[,BASE]"
+            " (no trace: that reads a server file; `coordinator simulate` takes it)",
+        ),
+    ] = "exp:1,1"
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+
+
+class SimulatedMethod(BaseModel):
+    label: str
+    summary: dict[str, float | int | str]
+    final_steps: list[int]  # sorted: the CDF's x values
+
+
+class Simulation(BaseModel):
+    methods: list[SimulatedMethod]

@@ -161,6 +161,7 @@ class Reconciler:
 
     def close(self) -> None:
         self._watch.cancel()
+        self.follower.reads.close()
         self._recorder.shutdown(wait=False, cancel_futures=True)
 
     def _check_leading(self) -> None:

@@ -18,6 +18,10 @@ from fastapi import FastAPI
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.security import EtcdSecurity
+from coordinator.jobs.threads import host_cores
+from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
+from coordinator.service.admission import Roots
+from coordinator.service.alarms import AlarmGuard
 from coordinator.service.api import create_app
 from coordinator.service.auth import Tokens
 from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS
@@ -32,6 +36,14 @@ from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import Launcher
 from coordinator.service.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.store import JobStore
+from coordinator.signing import Signer, data_dir_key, load_private_key
+
+
+def service_signer(options: ServiceOptions) -> Signer:
+    """The service's signing key: `--signing-key`, else the data dir's own."""
+    if options.signing_key is not None:
+        return Signer(load_private_key(options.signing_key))
+    return Signer(data_dir_key(options.data_dir))
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,11 @@ class ServiceOptions:
     data_dir: Path  # member logs and default artifacts
     max_workers: int
     gpus: tuple[int, ...] = ()  # what local members may get (`serve --gpus`)
+    max_threads: int | None = None  # a job's thread counts, per member (None: host cores)
+    member_pids_limit: int = DEFAULT_PIDS_LIMIT  # processes and threads of a local member
+    run_as: range | None = None  # the uids local members' programs run under (`--run-as-uids`)
     grace: float = 10.0
+    events_ping: float = 15.0  # seconds between keep-alives of a quiet events stream
     member_ttl: int = 10
     member_connect_timeout: float = 10.0
     leader_ttl: int = 5
@@ -69,6 +85,9 @@ class ServiceOptions:
     k8s_image: str | None = None
     k8s_namespace: str | None = None
     k8s_etcd: str | None = None
+    # The key job records and assignments are signed with (None: DATA_DIR/signing-key,
+    # made on the first start).
+    signing_key: Path | None = None
     # TLS and auth of the service's etcd client (None: the COORDINATOR_ETCD_* variables).
     # Local members inherit them from the environment (`serve` exports them there).
     security: EtcdSecurity | None = None
@@ -79,11 +98,20 @@ class Service:
         self.options = options
         os.environ.setdefault("COORDINATOR_ARTIFACTS", str(options.data_dir / "artifacts"))
         self.etcd = Etcd(options.etcd, namespace=options.namespace, security=options.security)
-        self.store = JobStore(self.etcd, mirror=True)
+        self.signer = service_signer(options)
+        self.store = JobStore(self.etcd, self.signer, mirror=True)
         self.launchers: dict[Launcher, WorkerLauncher] = {
-            Launcher.LOCAL: LocalLauncher(options.data_dir / "logs", gpus=options.gpus),
+            Launcher.LOCAL: LocalLauncher(
+                options.data_dir / "logs",
+                # A program without a working_dir runs in the root of working_dirs.
+                workdir=work if (work := Roots.from_environment().working_dir).is_dir() else None,
+                gpus=options.gpus,
+                run_as=options.run_as,
+                pids_limit=options.member_pids_limit,
+            ),
             Launcher.AGENTS: AgentsLauncher(
                 self.etcd,
+                self.signer,
                 max_txn_ops=options.max_txn_ops,
                 placement_grace=options.placement_grace,
             ),
@@ -140,6 +168,8 @@ class Service:
             tokens=options.tokens,
             default_launcher=options.default_launcher,
             images=images,
+            max_threads=options.max_threads or host_cores(),
+            events_ping=options.events_ping,
         )
         self.app: FastAPI = create_app(context)
         self._stop = threading.Event()
@@ -149,6 +179,7 @@ class Service:
 
     def start(self) -> None:
         self._thread.start()
+        self.alarms = AlarmGuard(self.etcd).start()  # NOSPACE alarms nobody needed
 
     def idle(self) -> bool:
         """No job is live (nothing would miss etcd if it stopped)."""
@@ -156,6 +187,8 @@ class Service:
 
     def stop(self) -> None:
         self._stop.set()
+        if (alarms := getattr(self, "alarms", None)) is not None:
+            alarms.close()
         self._thread.join(10)
         self.reconciler.close()
         self.leadership.close()

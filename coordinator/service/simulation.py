@@ -5,8 +5,9 @@ model's mean step time, once per method. Above `MAX_SIMULATED_STEPS` it is refus
 naming the fields (the CLI's `coordinator simulate` has no such bound). An accepted
 run gets a fresh spawned process of its own (never the service's threads, which the
 other endpoints need), at most `MAX_RUNNING` at once and `MAX_WAITING` more queued
-(beyond those: 429), killed at `TIMEOUT_SECONDS`, when its client goes away, or when
-the service stops.
+(beyond those: 429), killed at `TIMEOUT_SECONDS` from its start (the wait in the
+queue does not count), when its client goes away, or when the service stops (503:
+`stop` is called as SIGTERM arrives, before the server cancels what still runs).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class Abandoned(RuntimeError):
 
 class TimedOut(RuntimeError):
     pass
+
+
+class Stopping(RuntimeError):
+    """The service is stopping: the run was killed, or never started (503)."""
 
 
 def parse_api_delay(text: str) -> DelayModel:
@@ -147,18 +152,24 @@ class Runner:
         self.timeout = timeout
         self._processes: set[BaseProcess] = set()
         self._context = multiprocessing.get_context("spawn")
+        self._stopping = False
 
     async def run(
         self, work: Callable[[Any], Any], argument: Any, gone: Callable[[], Awaitable[bool]]
     ) -> Any:
         """`work(argument)` in a process of its own; `gone` says the client has left.
-        Raises Busy, TimedOut, Abandoned, or ValueError (the work's own refusal)."""
+        Raises Busy, TimedOut, Abandoned, Stopping, or ValueError (the work's own refusal).
+        The timeout counts from the run's start, not from its place in the queue."""
+        if self._stopping:
+            raise Stopping("the service is stopping")
         if self._admitted >= self._limit:
             raise Busy("the simulator is busy: try again in a few seconds")
         self._admitted += 1
         try:
-            deadline = time.monotonic() + self.timeout
             async with self._slots:
+                if self._stopping:
+                    raise Stopping("the service is stopping")
+                deadline = time.monotonic() + self.timeout
                 return await self._in_process(work, argument, gone, deadline)
         finally:
             self._admitted -= 1
@@ -182,6 +193,8 @@ class Runner:
                     if status == "invalid":
                         raise ValueError(value)
                     return value
+                if self._stopping:
+                    raise Stopping("the service is stopping: the simulation was stopped")
                 if not process.is_alive() and not receiving.poll():
                     raise RuntimeError(f"the simulation ended with code {process.exitcode}")
                 if time.monotonic() > deadline:
@@ -194,8 +207,15 @@ class Runner:
             _kill(process)
             receiving.close()
 
+    def stop(self) -> None:
+        """The service is stopping: every run and every queued request ends with Stopping
+        at its next poll, and nothing new starts. Only sets a flag: safe in a signal
+        handler."""
+        self._stopping = True
+
     def close(self) -> None:
-        """Kill every run (the service is stopping)."""
+        """Kill every run (the service has stopped)."""
+        self._stopping = True
         for process in list(self._processes):
             _kill(process)
 

@@ -5,8 +5,11 @@ The key's create revision is the job's place in the queue; its mod revision
 is what a change must still find, so two replicas never both move a job. Deleting a
 record also deletes what its job's members left under `<ns>/jobs/<id>/`.
 
-Nothing read from etcd is trusted: every record is validated (strictly, with
-the API's own models, and its id must be its key's) before anything uses it. A
+Nothing read from etcd is trusted: every record must carry the service's
+signature (`coordinator.signing`, over every other field: a record written to etcd
+by anyone else, or changed since, is refused as `signature: ...`), and is
+validated (strictly, with the API's own models, and its id must be its key's)
+before anything uses it. Every write re-signs the whole record. A
 record that fails is logged once per revision, naming its key and the first
 error, and left alone: listings and the leader's scans skip it, and reading or
 changing that job raises `InvalidRecord`, which the API answers with a 409.
@@ -22,12 +25,14 @@ never let a wrong one through.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
 from coordinator.etcd.client import Etcd
@@ -36,6 +41,16 @@ from coordinator.etcd.txn import Guard, KeyValue, Put
 from coordinator.etcd.watch import Watch, WatchEvent
 from coordinator.keys import Keys
 from coordinator.service.model import Condition, JobRecord, JobSpec, JobState
+from coordinator.signing import (
+    JOB,
+    SIGNATURE,
+    SignatureError,
+    Signer,
+    canonical,
+    loads_object,
+    split,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 MAX_CAS_TRIES = 50
@@ -78,9 +93,19 @@ class Rejected:
     mod_revision: int
 
 
-def parse_record(job_id: str, raw: bytes) -> JobRecord:
-    """The record stored at job `job_id`'s key, validated as the API validates; raises
-    `InvalidRecord` naming the first error."""
+def parse_record(job_id: str, raw: bytes, key: Ed25519PublicKey) -> JobRecord:
+    """The record stored at job `job_id`'s key, signed by the service's `key` and
+    validated as the API validates; raises `InvalidRecord` naming the first error."""
+    try:
+        document = loads_object(raw)
+        verify(key, JOB, *split(document))
+    except SignatureError as exc:
+        raise InvalidRecord(job_id, f"signature: {exc}") from None
+    return validate_record(job_id, canonical(document))  # exactly what was verified
+
+
+def validate_record(job_id: str, raw: bytes | str) -> JobRecord:
+    """`raw` validated as a record of job `job_id` (its signature is not checked)."""
     try:
         record = JobRecord.model_validate_json(raw, strict=True)
     except ValidationError as exc:
@@ -100,8 +125,9 @@ def first_error(exc: ValidationError) -> str:
 
 
 class JobStore:
-    def __init__(self, etcd: Etcd, mirror: bool = False) -> None:
+    def __init__(self, etcd: Etcd, signer: Signer, mirror: bool = False) -> None:
         self.etcd = etcd
+        self.signer = signer  # signs every record written, verifies every one read
         self.keys = Keys(etcd.namespace)
         self._mirror: dict[str, Stored | Rejected] | None = None
         self._deleted: dict[str, int] = {}  # id -> revision of its deletion (mirror only)
@@ -124,7 +150,8 @@ class JobStore:
             conditions=[Condition(state=JobState.PENDING, reason="submitted", at=now)],
             submitted_at=now,
         )
-        created, current, _ = self.etcd.create(self.keys.record(spec.id), record.model_dump_json())
+        _, raw = self._signed(record)
+        created, current, _ = self.etcd.create(self.keys.record(spec.id), raw)
         stored = self._checked(spec.id, current)
         if created:
             return stored.record, True
@@ -153,10 +180,10 @@ class JobStore:
             if new is None or new == stored.record:
                 return stored.record
             try:  # as any reader will see it
-                new = parse_record(job_id, new.model_dump_json().encode())
+                new = validate_record(job_id, new.model_dump_json(exclude={SIGNATURE}))
             except InvalidRecord as exc:
                 raise InvalidChange(f"job {job_id}: not written, {exc.cause}") from None
-            raw = new.model_dump_json().encode()
+            new, raw = self._signed(new)
             try:
                 written, current, revision = self.etcd.replace(
                     self.keys.record(job_id), raw, stored.mod_revision, when=guards, also=also
@@ -248,7 +275,20 @@ class JobStore:
         if self._watch is not None:
             self._watch.cancel()
 
-    # -- validation -------------------------------------------------------------------
+    # -- signatures and validation ----------------------------------------------------
+
+    def _signed(self, record: JobRecord) -> tuple[JobRecord, bytes]:
+        """`record` with the service's signature over every other field, and the bytes
+        to store."""
+        payload = json.loads(record.model_dump_json(exclude={SIGNATURE}))
+        signature = self.signer.sign(JOB, payload)
+        raw = canonical({**payload, SIGNATURE: signature})
+        return record.model_copy(update={SIGNATURE: signature}), raw
+
+    def parse(self, job_id: str, raw: bytes) -> JobRecord:
+        """A version of job `job_id`'s record read from etcd (`InvalidRecord` unless it
+        is signed and valid)."""
+        return parse_record(job_id, raw, self.signer.public)
 
     def _checked(self, job_id: str, kv: KeyValue) -> Stored:
         """`kv` as a validated record (offered to the mirror either way); raises
@@ -257,7 +297,7 @@ class JobStore:
 
     def _accept(self, job_id: str, raw: bytes, revision: int, created: int) -> Stored:
         try:
-            stored = Stored(parse_record(job_id, raw), revision, created, raw)
+            stored = Stored(self.parse(job_id, raw), revision, created, raw)
         except InvalidRecord as exc:
             self._report(exc, revision)
             self._offer(job_id, Rejected(exc, revision))
@@ -295,7 +335,14 @@ class JobStore:
                 self._offer_quietly(job_id, event.value, event.revision, event.create_revision)
 
     def _offer_quietly(self, job_id: str, raw: bytes, revision: int, created: int) -> None:
-        """Mirror a version read from etcd, valid or not (an invalid one is logged)."""
+        """Mirror a version read from etcd, valid or not (an invalid one is logged). One
+        the mirror has already (this replica's own write, at the revision etcd gave it)
+        is not verified and validated again."""
+        assert self._mirror is not None
+        with self._lock:
+            current = self._mirror.get(job_id)
+        if current is not None and current.mod_revision >= revision:
+            return
         with contextlib.suppress(InvalidRecord):
             self._accept(job_id, raw, revision, created)
 

@@ -56,6 +56,7 @@ from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch
 from coordinator.jobs.mnist.options import CLASSES
 from coordinator.ps.model import FlatModel, MnistNet
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
+from coordinator.ps.rules import UpdateRule, Updates, default_rule
 from coordinator.simulator.delays import DelayModel, ShiftedExponential
 from coordinator.simulator.engine import Hooks, simulate
 from coordinator.simulator.training_data import TrainingData
@@ -132,6 +133,7 @@ def train(
     delay: DelayModel | None = None,
     seed: int = 0,
     optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
+    rule: UpdateRule | None = None,
     aggregate: bool = False,
     eval_seconds: float | None = None,
     eval_updates: int | None = None,
@@ -178,8 +180,8 @@ def train(
     with _one_thread():
         return _Run(
             spec, data, batch_size, epochs, virtual_seconds, delay or ShiftedExponential(),
-            seed, optimizer, aggregate, eval_seconds, eval_updates, transfer or Transfer(), timing,
-            stop_accuracy, own_shards, model, loss,
+            seed, optimizer, rule, aggregate, eval_seconds, eval_updates, transfer or Transfer(),
+            timing, stop_accuracy, own_shards, model, loss,
         ).run()  # fmt: skip
 
 
@@ -194,6 +196,7 @@ class _Run:
         delay: DelayModel,
         seed: int,
         optimizer: OptimizerSpec,
+        rule: UpdateRule,
         aggregate: bool,
         eval_seconds: float | None,
         eval_updates: int | None,
@@ -227,6 +230,12 @@ class _Run:
         self.server = self.work.params.clone()  # published: never written again
         self.version = 0
         self.optimizer = FlatOptimizer(optimizer, size)
+        self.rule = Updates(
+            rule or default_rule(optimizer.name, aggregate),
+            trainers=n,
+            aggregate=aggregate,
+            momentum=optimizer.momentum,
+        )
         self.delay = _PlusTransfer(delay, transfer.seconds(size * self.work.params.element_size()))
         self.pulled: list[tuple[torch.Tensor, int]] = [(self.server, 0)] * n
         self.steps = [0] * n  # steps completed per trainer: the next batch's index
@@ -287,7 +296,7 @@ class _Run:
         self.loss(work.model(x[batch]), y[batch]).backward()
         if not self.aggregate:
             self.staleness[self.version - version] += 1
-            self._apply(work.grads, len(batch), t)
+            self._apply(work.grads, len(batch), t, self.version - version, weights)
             return
         slots = self.pending.setdefault(step, [None] * self.data.workers)
         slots[trainer] = (work.grads.clone(), version, len(batch))
@@ -303,7 +312,7 @@ class _Run:
             samples += count
             self.staleness[self.version - pulled_version] += 1
         total /= len(expected)
-        self._apply(total, samples, t)
+        self._apply(total, samples, t, 0)
 
     def _done(self) -> bool:
         if self.reached:
@@ -314,9 +323,17 @@ class _Run:
 
     # Server -----------------------------------------------------------------------------------
 
-    def _apply(self, grad: torch.Tensor, samples: int, t: float) -> None:
+    def _apply(
+        self,
+        grad: torch.Tensor,
+        samples: int,
+        t: float,
+        staleness: int,
+        pulled: torch.Tensor | None = None,
+    ) -> None:
         new = torch.empty_like(self.server)
-        self.optimizer.step(self.server, grad, new)
+        scale, momentum = self.rule.prepare(grad, staleness, self.server, pulled)
+        self.optimizer.step(self.server, grad, new, scale, momentum)
         self.server = new
         self.version += 1
         self.updates += 1
@@ -368,6 +385,13 @@ def default_eval_seconds(
         longest = max(steps_per_epoch(len(y), batch_size) for _, y in data.shards)
         bound = step * longest * (epochs or 1.0)
     return max(bound / points, 1e-6)
+
+
+def updates_per_epoch(data: TrainingData, batch_size: int, aggregate: bool) -> int:
+    """Server updates while every trainer makes one pass over its shard: the period of
+    the live job's `lr_decay`, counted as it counts it."""
+    steps = [steps_per_epoch(len(y), batch_size) for _, y in data.shards]
+    return max(steps) if aggregate else sum(steps)
 
 
 def runs_for(

@@ -41,10 +41,14 @@ export class Logs {
     this.record = null; // the job's latest record: its members, and whether it still runs
     this.timer = null;
     this.loading = null;
+    this.chosen = false; // whether the reader chose a rank (else a failure's own is shown)
   }
 
   start() {
-    document.getElementById("log-rank").addEventListener("change", () => this.load());
+    document.getElementById("log-rank").addEventListener("change", () => {
+      this.chosen = true; // the reader's choice stays
+      this.load();
+    });
     this.signal.addEventListener("abort", () => clearTimeout(this.timer));
   }
 
@@ -59,6 +63,12 @@ export class Logs {
         options.map(([index, text]) => `<option value="${index}">${escape(text)}</option>`).join("");
       select.value = options.some(([index]) => String(index) === chosen) ? chosen : "";
       select.dataset.options = wanted;
+    }
+    // A failed job opens on the rank its reason names, until the reader chooses another.
+    const culprit = members.find((m) => m.rank != null && m.rank === culpritRank(this.record));
+    if (culprit && !this.chosen && select.value !== String(culprit.index)) {
+      select.value = String(culprit.index);
+      this.load();
     }
   }
 
@@ -87,4 +97,12 @@ export class Logs {
       this.timer = setTimeout(() => this.load(), LOGS_REFRESH_MS);
     }
   }
+}
+
+// The rank a failure's reason names: the service ends it with the command showing that
+// rank's output (`...; its output: coordinator logs <job> --rank <r>`).
+function culpritRank(record) {
+  const reason = record?.conditions[record.conditions.length - 1]?.reason || "";
+  const named = / --rank (\d+)$/.exec(reason);
+  return named ? Number(named[1]) : null;
 }

@@ -17,7 +17,7 @@ export function showMembers(record) {
     const role = memberRole(record, m.rank);
     return `<tr data-index="${m.index}">
       <td class="rank num">${m.rank ?? ""}</td><td class="role muted">${escape(role)}</td>
-      <td class="address">${escape(m.address || "")}</td><td class="host">${escape(host)}</td>
+      <td class="address">${escape(m.address || "-")}</td><td class="host">${escape(host)}</td>
       <td class="phase">${escape(phase)}</td>
       <td class="exit num ${exit !== "" && exit !== 0 ? "bad" : ""}">${exit}</td>
       <td class="failure">${escape(failure)}</td></tr>`;

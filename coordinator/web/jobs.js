@@ -11,7 +11,7 @@ export function jobsPage(signal) {
   main().innerHTML = `
     <section class="card">
       <div class="card-head">
-        <h1>Jobs <span class="count" id="jobs-count">0</span></h1>
+        <h1>Jobs <span class="count" id="jobs-count" title="loading">…</span></h1>
         <div class="filters">
           <select id="filter-state"><option value="">any state</option>${STATES.map((s) => `<option>${s}</option>`).join("")}</select>
           <select id="filter-kind"><option value="">any kind</option>${kindOptions()}</select>
@@ -77,6 +77,8 @@ async function loadJobs([state, kind, labelFilter], signal) {
       <td class="age num">${age(now - job.submitted_at)}</td>
     </tr>`);
   document.querySelector("#jobs tbody").innerHTML = rows.join("");
-  document.getElementById("jobs-count").textContent = String(jobs.length);
+  const count = document.getElementById("jobs-count");
+  count.textContent = String(jobs.length);
+  count.removeAttribute("title");
   document.querySelector(".empty-note").hidden = jobs.length > 0;
 }

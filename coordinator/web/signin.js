@@ -12,12 +12,13 @@ export function afterSignIn(next) {
 
 // `coordinator serve` prints a link with its token in the fragment (#token=...), which the
 // browser never sends: keep it for this session, and take it out of the address bar and the
-// history at once, so it is neither bookmarked nor shown over a shoulder.
+// history at once, so it is neither bookmarked nor shown over a shoulder. A link to a page
+// carries its route after the token (#token=...&/jobs/<id>), and lands there.
 function tokenFromLink() {
-  const match = location.hash.match(/^#token=([^&]+)$/);
+  const match = location.hash.match(/^#token=([^&]+)(?:&(\/.*))?$/);
   if (!match) return;
   sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
-  history.replaceState(null, "", `${location.pathname}${location.search}#/`);
+  history.replaceState(null, "", `${location.pathname}${location.search}#${match[2] || "/"}`);
 }
 
 // The session's token at start: the link's, else the one this tab kept.

@@ -18,6 +18,7 @@ import pytest
 from pyetcd import etcdrpc
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import ENV
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.watch import WatchEvent
 from coordinator.rendezvous.member import Member
@@ -25,6 +26,13 @@ from tests.support.etcd_cluster import CuttableProxy
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.one_etcd  # its own etcd (see above)
+
+
+@pytest.fixture(autouse=True)
+def _plain_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's etcd is a plain one of its own: no session TLS and auth settings."""
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.etcd.session import Session
 from coordinator.etcd.txn import Delete, Empty, First, Get, Put, ValueIs, When, prefix_end
 from coordinator.etcd.watch import WatchEvent
+from tests.support.processes import unreachable_etcd
 from tests.support.wait import wait_until
 
 
@@ -107,7 +108,7 @@ def test_when_runs_its_puts_only_if_every_condition_holds(etcd: Etcd) -> None:
 def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Path) -> None:
     with (
         EmbeddedEtcd(data_dir=tmp_path / "etcd", auth=False) as server,
-        Etcd(server.endpoint) as etcd,
+        Etcd(server.endpoint, security=server.security) as etcd,
     ):
         seen: list[WatchEvent] = []
         lock = threading.Lock()
@@ -121,7 +122,8 @@ def test_watch_resumes_after_an_etcd_restart_without_losing_events(tmp_path: Pat
         wait_until(lambda: len(seen) == 1, 10, "the first event")
         server.stop()
         server.start()
-        with Etcd(server.endpoint) as writer:  # written while the watcher reconnects
+        # Written while the watcher reconnects.
+        with Etcd(server.endpoint, security=server.security) as writer:
             for i in range(1, 4):
                 writer.put(writer.key("w", i), str(i))
         wait_until(lambda: len(seen) == 4, 20, "all four events after the restart")
@@ -172,7 +174,7 @@ def test_session_is_kept_alive_past_its_ttl_and_reports_loss(etcd: Etcd) -> None
 
 
 def test_unreachable_etcd_fails_within_the_connect_timeout() -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = unreachable_etcd(free_port())
     started = time.monotonic()
     with pytest.raises(EtcdUnavailable, match=f"cannot reach etcd at {endpoint} within 0.5s"):
         Etcd(endpoint, connect_timeout=0.5)
@@ -180,7 +182,7 @@ def test_unreachable_etcd_fails_within_the_connect_timeout() -> None:
 
 
 def test_a_second_endpoint_is_used_when_the_first_is_down(etcd_server: EmbeddedEtcd) -> None:
-    dead = f"127.0.0.1:{free_port()}"
+    dead = unreachable_etcd(free_port())
     with Etcd([dead, etcd_server.endpoint], connect_timeout=5) as etcd:
         assert etcd.put(etcd.key("failover"), "ok") > 0
         etcd.delete(etcd.key("failover"))
@@ -201,12 +203,12 @@ def test_endpoint_forms_are_normalised() -> None:
 
 def test_embedded_etcd_keeps_its_data_across_a_restart(tmp_path: Path) -> None:
     with EmbeddedEtcd(data_dir=tmp_path / "d", auth=False) as server:
-        with Etcd(server.endpoint) as etcd:
+        with Etcd(server.endpoint, security=server.security) as etcd:
             etcd.put("/k", "v")
         server.stop()
         assert server.process is None
         server.start()
-        with Etcd(server.endpoint) as etcd:
+        with Etcd(server.endpoint, security=server.security) as etcd:
             assert etcd.get("/k").value == b"v"  # type: ignore[union-attr]
     assert (tmp_path / "d").exists(), "a caller's data dir is the caller's to remove"
 

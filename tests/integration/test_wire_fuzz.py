@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from coordinator.ps.optim import OptimizerSpec
+from coordinator.ps.rules import UpdateRule
 from coordinator.ps.server import ParameterServer
 from coordinator.ps.wire import HEADER, MAGIC, Dtype, Kind, layout_digest
 from coordinator.rendezvous import handshake
@@ -78,6 +79,7 @@ def served() -> Iterator[Served]:
         tensors=TENSORS,
         trainers=2,
         optimizer=OptimizerSpec("sgd", 0.1, 0.0),
+        rule=UpdateRule("plain"),  # each gradient at the lr: the checks compute the steps
         max_updates=MAX_UPDATES,
     )
     endpoint = MemberEndpoint(
@@ -441,23 +443,35 @@ def test_silent_callers_are_dropped_after_the_timeouts() -> None:
         assert IDLE_TIMEOUT <= time.monotonic() - began < REPLY_DEADLINE
 
 
-def test_connections_past_the_cap_are_closed_at_once() -> None:
+def test_idle_connections_never_shut_out_a_real_caller_and_channels_are_capped() -> None:
+    """Pending handshakes are counted apart from channels (issue 28): idle connections
+    from one source hold at most half the pending room, the oldest silent ones make room
+    for newcomers, and a real caller still gets in; proven callers past `CAP` channels
+    are closed unanswered."""
     with served() as s:
-        idle = [connect(s.port) for _ in range(CAP)]
+        per_source = max(128, 2 * CAP) // 2
+        idle = [connect(s.port) for _ in range(per_source + 20)]
         try:
-            for sock in idle:  # all admitted: each got its challenge
+            for sock in idle:  # each got its challenge
                 assert len(sock.recv(handshake.CHALLENGE_SIZE)) > 0
-            wait_until(lambda: s.endpoint.active == CAP, 5, "the cap reached")
-            began = time.monotonic()
-            with connect(s.port) as extra:
-                extra.settimeout(REPLY_DEADLINE)
+            wait_until(lambda: s.endpoint.pending == per_source, 5, "one source's half held")
+            for sock in idle[:20]:  # the oldest made room: closed, nothing more said
                 with contextlib.suppress(ConnectionResetError):
-                    assert extra.recv(64) == b""  # closed, nothing said
-            assert time.monotonic() - began < HANDSHAKE_TIMEOUT
+                    assert read_until_closed(sock) == b""
+            assert pull_weights(s)[0] == 0  # a real caller gets in all the same
         finally:
             for sock in idle:
                 sock.close()
-        wait_until(lambda: s.endpoint.active == 0, REPLY_DEADLINE, "the idle ones closed")
+        channels = [authenticated(s) for _ in range(CAP)]
+        try:
+            began = time.monotonic()
+            with connect(s.port) as extra, pytest.raises(handshake.HandshakeError, match="broke"):
+                handshake.offer(extra, s.key, REPLY_DEADLINE)
+            assert time.monotonic() - began < IDLE_TIMEOUT
+        finally:
+            for sock in channels:
+                sock.close()
+        wait_until(lambda: s.endpoint.active == 0, REPLY_DEADLINE, "every connection closed")
         assert pull_weights(s)[0] == 0  # admitted again
 
 

@@ -13,6 +13,9 @@ from typing import Any
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import Session
 from coordinator.etcd.watch import WatchEvent
+from coordinator.service.agent_protocol import REGISTRATION, signed_assignment
+from tests.support.cgroups import remove_member_cgroups
+from tests.support.signing import key_files, session_signer
 
 
 class AgentProc:
@@ -23,18 +26,30 @@ class AgentProc:
             sys.executable, "-m", "coordinator", "agent", "--etcd", endpoint,
             "--namespace", namespace, "--data-dir", str(data), "--ttl", "2", *extra,
         ]  # fmt: skip
+        if "--service-key" not in extra:  # the session's key, which `ServiceProc` signs with
+            args += ["--service-key", str(key_files()[1])]
+        self.data = data
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
         self.process.communicate(timeout=30)
+        remove_member_cgroups(self.data / "logs")  # its members died with it, unseen
 
 
 def registered(etcd: Etcd, agent_id: str) -> dict[str, Any] | None:
     """The agent's registration as the service reads it; None while it has none."""
     kv = etcd.get(etcd.key("agents", agent_id))
     return json.loads(kv.value) if kv else None
+
+
+def as_the_service(etcd: Etcd, agent_id: str, assignment: dict[str, Any]) -> bytes:
+    """`assignment` signed as the service signs it, for the agent's live registration."""
+    kv = etcd.get(etcd.key("agents", agent_id))
+    assert kv is not None, f"agent {agent_id} is not registered"
+    body = {REGISTRATION: kv.create_revision, **assignment}
+    return signed_assignment(session_signer(), agent_id, body)
 
 
 def register(etcd: Etcd, agent_id: str, slots: int, session: Session) -> None:

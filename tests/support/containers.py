@@ -244,13 +244,13 @@ def build_images() -> Images:
     return Images()
 
 
-def init_secrets(folder: Path, agents: int = 3) -> Path:
+def init_secrets(folder: Path, agents: int = 3, exec_token: bool = False) -> Path:
     """compose/init-secrets.sh into `folder`, as the docs say to run it (as root here, so
-    it gives each file to the container user that reads it)."""
+    it gives each file to the container user that reads it); `exec_token`: EXEC_TOKEN=1."""
     subprocess.run(
         [str(INIT_SECRETS), str(folder)],
         check=True, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "AGENTS": str(agents)},
+        env={**os.environ, "AGENTS": str(agents), "EXEC_TOKEN": "1" if exec_token else ""},
     )  # fmt: skip
     return folder
 

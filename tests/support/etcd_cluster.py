@@ -29,10 +29,14 @@ class CuttableProxy:
     frozen: kept open with nothing passing either way (a half-open partition)."""
 
     def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
+        """`target`: an etcd endpoint, `HOST:PORT` or `https://HOST:PORT` (TLS passes
+        through: `endpoint` keeps the scheme, and the server's name, loopback, holds)."""
+        scheme, _, address = target.rpartition("://")
+        host, _, port = address.rpartition(":")
         self.target = (host, int(port))
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        prefix = f"{scheme}://" if scheme else ""
+        self.endpoint = f"{prefix}127.0.0.1:{self.listener.getsockname()[1]}"
         self.open = threading.Event()
         self.open.set()
         self.flowing = threading.Event()
@@ -138,13 +142,17 @@ class EtcdCluster:
         self.startup_timeout = startup_timeout
         self.root = Path(tempfile.mkdtemp(prefix="coordinator-etcd-cluster-"))
         self.client_ports = [free_port() for _ in range(size)]
-        self.peer_ports = [free_port() for _ in range(size)]
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * size
         self.links: list[Link] = []
         self.token = f"test-{self.root.name}"
 
     def name(self, index: int) -> str:
         return f"m{index}"
+
+    def peer_url(self, index: int) -> str:
+        """Member `index`'s raft endpoint: a unix socket in the cluster's 0700 folder (every
+        member runs there), as the product's embedded etcd has (no peer port to reach)."""
+        return f"unix://{self.name(index)}.peer:1"
 
     def client_endpoint(self, index: int) -> str:
         return f"127.0.0.1:{self.client_ports[index]}"
@@ -169,11 +177,9 @@ class EtcdCluster:
     def _spawn(self, index: int) -> None:
         if self.processes[index] is not None:
             raise EtcdServerError(f"etcd member {index} is already running")
-        cluster = ",".join(
-            f"{self.name(i)}=http://127.0.0.1:{self.peer_ports[i]}" for i in range(self.size)
-        )
+        cluster = ",".join(f"{self.name(i)}={self.peer_url(i)}" for i in range(self.size))
         client_url = f"http://{self.client_endpoint(index)}"
-        peer_url = f"http://127.0.0.1:{self.peer_ports[index]}"
+        peer_url = self.peer_url(index)
         args = [
             find_etcd_binary(),
             "--name", self.name(index),
@@ -189,7 +195,7 @@ class EtcdCluster:
         ]  # fmt: skip
         with open(self.root / f"{self.name(index)}.log", "ab") as log:
             self.processes[index] = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
             )
 
     def _get(self, index: int, path: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -171,3 +172,10 @@ def gone(pids: list[int]) -> bool:
         except psutil.NoSuchProcess:
             continue
     return True
+
+
+def unreachable_etcd(port: int = 1) -> str:
+    """An etcd endpoint nothing answers at, in the scheme of the session's etcd: its TLS
+    settings, in the environment once a test used it, go only with `https://`."""
+    scheme = "https://" if os.environ.get("COORDINATOR_ETCD_CA") else ""
+    return f"{scheme}127.0.0.1:{port}"

@@ -16,10 +16,13 @@ from typing import Any
 import httpx
 import psutil
 
+from tests.support.cgroups import remove_member_cgroups
+from tests.support.signing import key_files
 from tests.support.wait import wait_until
 
 READ_TOKEN = "reader-token-0123456789"
 SUBMIT_TOKEN = "submitter-token-0123456789"
+EXEC_TOKEN = "executor-token-0123456789"
 
 
 def free_port() -> int:
@@ -30,8 +33,10 @@ def free_port() -> int:
 
 
 class ServiceProc:
-    """`coordinator serve` as a process of its own, and an HTTP client for it; the client
-    sends the token the service made (`<data>/api-token`) when it made one."""
+    """`coordinator serve` as a process of its own, and an HTTP client for it. Unless told
+    otherwise (`--token-file`, `--insecure`, `exec_token=False`) the service is given an
+    exec token file of the test's, `<data>/api-token`, where the CLI finds it (serve would
+    make only a submit token there); the client sends the token of that file."""
 
     def __init__(
         self,
@@ -41,6 +46,7 @@ class ServiceProc:
         *extra: str,
         max_workers: int = 4,
         member_ttl: int = 2,
+        exec_token: bool = True,
     ) -> None:
         self.port = free_port()
         self.data = data
@@ -52,6 +58,14 @@ class ServiceProc:
         ]  # fmt: skip
         if endpoint:  # else the service's own etcd, in `data`
             args += ["--etcd", endpoint]
+        if "--signing-key" not in extra:  # the session's: its agents and tests verify it
+            args += ["--signing-key", str(key_files()[0])]
+        self.token_file = data / "api-token"  # where the CLI finds a token by itself too
+        if exec_token and not {"--token-file", "--insecure"} & set(extra):
+            data.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.token_file.write_text(f"exec {EXEC_TOKEN}\n")
+            self.token_file.chmod(0o600)
+            args += ["--token-file", str(self.token_file)]
         self.log = open(data.with_suffix(".log"), "ab")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -73,8 +87,9 @@ class ServiceProc:
         return self
 
     def generated_token(self) -> str | None:
-        """The exec token of `<data>/api-token`, which serve makes without --token-file."""
-        path = self.data / "api-token"
+        """The token of `<data>/api-token`: the test's exec token, or the submit token serve
+        made there with `exec_token=False`."""
+        path = self.token_file
         if not path.exists():
             return None
         return next(
@@ -84,10 +99,13 @@ class ServiceProc:
         )
 
     def dashboard_link(self) -> str:
-        """The link serve printed (with its token in the fragment, where it made one)."""
+        """The link serve printed, with the client's token in the fragment (serve puts it
+        there only on a terminal)."""
         found = re.search(r"dashboard: (\S+)", self.output())
         assert found, f"serve printed no dashboard link: {self.output()}"
-        return found.group(1)
+        token = self.generated_token()
+        link = found.group(1)
+        return f"{link}#token={token}" if token and "#" not in link else link
 
     def output(self) -> str:
         return self.data.with_suffix(".log").read_text(errors="replace")[-3000:]
@@ -124,6 +142,32 @@ def kill_members(data: Path) -> None:
                 os.killpg(identity["pid"], signal.SIGKILL)
         except (psutil.NoSuchProcess, ProcessLookupError):
             pass
+    remove_member_cgroups(data / "logs")
+
+
+def stop_service_etcd(data: Path) -> None:
+    """Stop the etcd a service started in `data`: it outlives the service, by design."""
+    try:
+        record = json.loads((data / "etcd.json").read_text())
+        process = psutil.Process(record["pid"])
+        if abs(process.create_time() - record["started"]) < 0.05:
+            process.kill()
+            process.wait(10)
+    except (OSError, ValueError, psutil.Error):
+        pass
+
+
+def simulation_processes(pid: int) -> list[psutil.Process]:
+    """The service's simulation processes (spawned interpreters: `multiprocessing.spawn`;
+    not its resource tracker, which lives as long as the service)."""
+    found = []
+    for process in psutil.Process(pid).children():
+        try:
+            if "multiprocessing.spawn" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def wait_state(

@@ -40,10 +40,12 @@ def serve(
     is stopped and every member it started killed."""
     started: list[ServiceProc] = []
 
-    def start(*extra: str, data: Path | None = None) -> ServiceProc:
+    def start(*extra: str, data: Path | None = None, exec_token: bool = True) -> ServiceProc:
         folder = data or tmp_path / f"service-{len(started)}"
         folder.mkdir(exist_ok=True)
-        service = ServiceProc(etcd_server.endpoint, namespace, folder, *extra)
+        service = ServiceProc(
+            etcd_server.endpoint, namespace, folder, *extra, exec_token=exec_token
+        )
         started.append(service)
         return service.ready()
 

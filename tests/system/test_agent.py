@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
-from tests.support.agents import AgentProc, registered
+from tests.support.agents import AgentProc, as_the_service, registered
 from tests.support.etcd_cluster import CuttableProxy
 from tests.support.wait import wait_until
 
@@ -27,7 +27,7 @@ def assign(
                             "worker_args": args}  # fmt: skip
     if placement is not None:
         body["placement"] = placement
-    etcd.put(etcd.key("assignments", agent_id, name), json.dumps(body))
+    etcd.put(etcd.key("assignments", agent_id, name), as_the_service(etcd, agent_id, body))
 
 
 def test_an_agent_registers_and_a_second_with_its_id_is_refused(agents: Any, etcd: Etcd) -> None:

@@ -28,6 +28,7 @@ from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.support.agents import SlotWatch, register, registered
 from tests.support.service import ServiceProc, wait_state
+from tests.support.signing import session_signer
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.one_etcd
@@ -62,8 +63,8 @@ def test_two_replicas_placing_from_the_same_view_never_over_fill_an_agent(etcd: 
     session = Session(etcd, 10)
     try:
         register(etcd, "only", 2, session)
-        store = JobStore(etcd)
-        launcher = AgentsLauncher(etcd)
+        store = JobStore(etcd, session_signer())
+        launcher = AgentsLauncher(etcd, session_signer())
         records = [
             store.submit(JobSpec(id=f"race-{n}", kind="noop", workers=2), time.time())[0]
             for n in range(2)

@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from coordinator.jobs.params import parse_param_list, parse_params
-from tests.support.service import SUBMIT_TOKEN, ServiceProc, wait_state
+from tests.support.processes import unreachable_etcd
+from tests.support.service import SUBMIT_TOKEN, ServiceProc, simulation_processes, wait_state
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.one_etcd
@@ -218,7 +219,7 @@ def test_a_simulation_whose_client_leaves_is_killed(
 
     client = threading.Thread(target=impatient)
     client.start()
-    running = wait_until(lambda: _simulations(service.process.pid), 10, "the simulation")
+    running = wait_until(lambda: simulation_processes(service.process.pid), 10, "the simulation")
     client.join(30)
     assert left, "the simulation answered within 0.3 s: nothing was left running"
     _, alive = psutil.wait_procs(running, timeout=10)
@@ -287,7 +288,7 @@ def test_worst_case_simulations_leave_every_endpoint_answering_and_sigterm_stops
         # SIGTERM with simulations still running and queued: the service ends within its
         # grace, and no simulation process outlives it.
         assert len(outcomes) < 8, "every simulation ended before the SIGTERM: nothing tested"
-        running = _simulations(service.process.pid)
+        running = simulation_processes(service.process.pid)
         assert running, "no simulation process was running"
         asked = time.monotonic()
         service.process.terminate()
@@ -302,19 +303,6 @@ def test_worst_case_simulations_leave_every_endpoint_answering_and_sigterm_stops
     assert not alive, f"simulations outlived the service: {alive}"
 
 
-def _simulations(pid: int) -> list[psutil.Process]:
-    """The service's simulation processes (spawned interpreters: `multiprocessing.spawn`;
-    not its resource tracker, which lives as long as the service)."""
-    found = []
-    for process in psutil.Process(pid).children():
-        try:
-            if "multiprocessing.spawn" in " ".join(process.cmdline()):
-                found.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
 # -- tokens ---------------------------------------------------------------------------------------
 
 
@@ -323,7 +311,7 @@ def test_the_generated_token_file_is_private_kept_and_linked_in_the_fragment_onl
     tmp_path: Path,
 ) -> None:
     data = tmp_path / "kept"
-    first = serve(data=data)
+    first = serve(data=data, exec_token=False)
     token_file = data / "api-token"
     assert oct(token_file.stat().st_mode & 0o777) == "0o600"
     token = first.generated_token()
@@ -335,9 +323,9 @@ def test_the_generated_token_file_is_private_kept_and_linked_in_the_fragment_onl
     with unauthenticated(first) as http:
         assert http.get("/v1/jobs").status_code == 401
         assert http.get("/v1/whoami").json() == {"role": "none", "auth": True}
-    assert first.http.get("/v1/whoami").json() == {"role": "exec", "auth": True}
+    assert first.http.get("/v1/whoami").json() == {"role": "submit", "auth": True}
     first.stop()
-    second = serve(data=data)  # a restart keeps the token its users have
+    second = serve(data=data, exec_token=False)  # a restart keeps the token its users have
     assert second.generated_token() == token
     assert second.http.get("/v1/jobs").status_code == 200
 
@@ -353,7 +341,7 @@ def test_a_token_file_others_can_read_is_refused_naming_it(tmp_path: Path) -> No
     for extra in (["--token-file", str(tokens)], []):
         result = subprocess.run(
             [sys.executable, "-m", "coordinator", "serve", "--data-dir", str(data),
-             "--port", "0", "--etcd", "127.0.0.1:1", *extra],
+             "--port", "0", "--etcd", unreachable_etcd(), *extra],
             capture_output=True, text=True, timeout=60,
             env={**os.environ, "COLUMNS": "500"},  # rich must not wrap the path
         )  # fmt: skip
@@ -402,7 +390,7 @@ def test_a_param_with_commas_stays_one_parameter() -> None:
     # A real worker: one --param whose value holds a comma and a second `name=`.
     result = subprocess.run(
         [sys.executable, "-m", "coordinator", "worker", "--job", "j", "--world-size", "1",
-         "--etcd", "127.0.0.1:1", "--kind", "noop", "--param", "seconds=1,colour=red",
+         "--etcd", unreachable_etcd(), "--kind", "noop", "--param", "seconds=1,colour=red",
          "--connect-timeout", "0.5"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

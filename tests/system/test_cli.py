@@ -6,16 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 from coordinator.etcd.client import Etcd
-from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.rendezvous.address import ADVERTISE_ENV, advertise_address, route_address
 from coordinator.worker import EXIT_ETCD_UNAVAILABLE
-from tests.support.processes import worker_args
+from tests.support.processes import unreachable_etcd, worker_args
 
 
 def coordinator(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -27,8 +28,28 @@ def coordinator(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     )
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readmes_first_command_trains_xgboost_end_to_end(tmp_path: Path) -> None:
+    """The README's first command as written, run as a new user would: in an empty folder,
+    no etcd settings, the embedded etcd; every worker passes and the model is saved."""
+    first = README.read_text().split("```sh\n", 1)[1].splitlines()[0]
+    command = first.split("#")[0].split("&&")[-1].split()
+    assert command[:2] == ["coordinator", "run"], first
+    unset = {*ENV.values(), "COORDINATOR_ARTIFACTS"}
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", *command[1:]],
+        cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "workers passed every phase and cleaned up" in result.stderr
+    assert len(list(tmp_path.glob("artifacts/*/model.json"))) == 1
+
+
 def test_run_noop_with_the_embedded_etcd() -> None:
-    """The README's first command: embedded etcd, four local workers, every phase."""
+    """Embedded etcd, four local workers, every phase, and the roster table."""
     result = coordinator("run", "noop", "--workers", "4")
     assert result.returncode == 0, result.stderr
     assert "all 4 workers passed every phase and cleaned up" in result.stderr
@@ -44,7 +65,7 @@ def test_run_reports_failing_workers_and_their_exit_code() -> None:
         "--workers",
         "2",
         "--etcd",
-        f"127.0.0.1:{free_port()}",
+        unreachable_etcd(free_port()),
         "--connect-timeout",
         "0.5",
     )
@@ -63,7 +84,7 @@ def test_run_reports_failing_workers_and_their_exit_code() -> None:
     ],
 )
 def test_worker_usage_errors_name_the_field(args: list[str], message: str) -> None:
-    base = {"--job": "j", "--world-size": "2", "--etcd": "127.0.0.1:1"}
+    base = {"--job": "j", "--world-size": "2", "--etcd": unreachable_etcd()}
     for flag, value in zip(args[::2], args[1::2], strict=True):
         base[flag] = value
     flat = [item for pair in base.items() for item in pair]
@@ -115,8 +136,11 @@ def test_ctrl_c_stops_the_embedded_etcd() -> None:
     try:
         assert proc.stdout is not None and proc.stderr is not None
         endpoint = proc.stdout.readline().strip()
-        settings = next(line for line in proc.stderr if "--etcd-password-file" in line)
-        root = EtcdSecurity(user="root", password_file=settings.split()[-1])  # auth is on
+        settings = next(line for line in proc.stderr if "--etcd-password-file" in line).split()
+        given = dict(zip(settings[2::2], settings[3::2], strict=True))  # "auth on: --etcd-..."
+        root = EtcdSecurity(
+            **{k.removeprefix("--etcd-").replace("-", "_"): v for k, v in given.items()}
+        )
         with Etcd(endpoint, connect_timeout=5, security=root) as etcd:
             assert etcd.put("/k", "v") > 0
         children = psutil.Process(proc.pid).children()

@@ -56,19 +56,107 @@ def test_a_command_job_runs_its_program_on_three_members_with_its_env_and_folder
     logs = service.http.get("/v1/jobs/prog/logs").text
     for rank in range(3):
         assert f"[rank {rank}] ran {rank} 3 hello-there {folder.resolve()} False" in logs, logs
+    # The programs' lines alone; the members' own events on request.
+    assert '"event"' not in logs, logs
+    tail = service.http.get("/v1/jobs/prog/logs", params={"rank": 2, "tail": 1}).text
+    assert tail.startswith("[rank 2] ran 2 3"), tail
+    everything = service.http.get("/v1/jobs/prog/logs", params={"events": True}).text
+    assert '"event": "done"' in everything and "hello-there" in everything
 
 
-def test_a_program_that_fails_on_rank_1_fails_the_job_naming_rank_and_code(
+def test_relative_program_paths_start_in_the_working_dir_root_and_a_missing_folder_is_422(
     serve: Callable[..., ServiceProc],
 ) -> None:
+    """The rule: a program runs in its working_dir, under `serve --working-dir-root`
+    (default DATA_DIR/work), and without one in that root itself; so `python train.py`
+    finds train.py there. A folder that is not there is refused at submit, saying how."""
     service = serve()
-    code = "import os, sys; sys.exit(7 if os.environ['RANK'] == '1' else 0)"
-    spec = {"id": "sevens", "kind": "command", "workers": 3, "command": program(code)}
+    root = service.data / "work"
+    (root / "train.py").write_text("import os; print('trained in', os.getcwd())\n")
+    (root / "proj").mkdir()
+    (root / "proj" / "train.py").write_text("import os; print('project in', os.getcwd())\n")
+    jobs = {"at-root": {}, "in-proj": {"working_dir": "proj"}}
+    for job_id, extra in jobs.items():
+        spec = {"id": job_id, "kind": "command", "workers": 1,
+                "command": [sys.executable, "train.py"], **extra}  # fmt: skip
+        assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    shown_by = {"at-root": f"trained in {root}", "in-proj": f"project in {root}/proj"}
+    for job_id, shown in shown_by.items():
+        record = wait_state(service, job_id, {"SUCCEEDED", "FAILED"})
+        assert record["state"] == "SUCCEEDED", record["conditions"]
+        assert shown in service.http.get(f"/v1/jobs/{job_id}/logs").text
+    missing = {"kind": "command", "workers": 1, "command": ["python", "x.py"]}
+    missing["working_dir"] = "nope"
+    answer = service.http.post("/v1/jobs", json=missing)
+    assert answer.status_code == 422
+    [detail] = answer.json()["detail"]
+    assert detail["loc"][-1] == "working_dir"
+    assert f"mkdir -p {root}/nope" in detail["msg"], detail
+    outside = service.http.post("/v1/jobs", json={**missing, "working_dir": "/etc"})
+    assert "--working-dir-root" in outside.json()["detail"][0]["msg"]
+
+
+def test_a_newcomer_makes_an_exec_token_and_submits_a_program_with_it(
+    serve: Callable[..., ServiceProc], tmp_path: Path
+) -> None:
+    """The README's way: `coordinator credentials token exec` writes an exec token where
+    the CLI looks, `serve --token-file` takes it, `submit -- PROGRAM` finds it."""
+    data = tmp_path / "coordinator-data"
+    env = {k: v for k, v in os.environ.items() if k != "COORDINATOR_TOKEN"}
+    env["COORDINATOR_DATA"] = str(data)
+    made = subprocess.run(
+        [sys.executable, "-m", "coordinator", "credentials", "token", "exec"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip()
+    assert f"exec {token}" in (data / "api-token").read_text()
+    assert (data / "api-token").stat().st_mode & 0o777 == 0o600
+    service = serve("--token-file", str(data / "api-token"), data=data, exec_token=False)
+    submitted = subprocess.run(
+        [sys.executable, "-m", "coordinator", "submit", "--server", service.url, "--id",
+         "first", "--workers", "1", "--wait", "--", sys.executable, "-c", "print('hello')"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    as_exec = {"Authorization": f"Bearer {token}"}
+    assert service.http.get("/v1/whoami", headers=as_exec).json()["role"] == "exec"
+
+
+def test_a_crash_on_rank_1_is_named_first_with_its_error_line_and_its_logs_command(
+    serve: Callable[..., ServiceProc],
+) -> None:
+    """Rank 1 raises; the others' programs fail a moment later (as a collective's peers
+    would). The reason starts with rank 1, holds its error, and says how to see its
+    output, in the record and in `coordinator status`."""
+    service = serve()
+    code = (
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if rank == 1:\n"
+        "    raise RuntimeError(f'boom on rank {rank} at step 5')\n"
+        "time.sleep(1)\n"
+        "sys.exit('gloo: connection closed by peer')\n"
+    )
+    spec = {"id": "crash", "kind": "command", "workers": 3, "command": program(code)}
     assert service.http.post("/v1/jobs", json=spec).status_code == 201
-    record = wait_state(service, "sevens", {"SUCCEEDED", "FAILED"})
+    record = wait_state(service, "crash", {"SUCCEEDED", "FAILED"})
     assert record["state"] == "FAILED"
     reason = record["conditions"][-1]["reason"]
-    assert "rank 1" in reason and "code 7" in reason, reason
+    assert reason.startswith(
+        "rank 1: the program exited with code 1 (RuntimeError: boom on rank 1 at step 5)"
+    ), reason
+    assert reason.endswith("; its output: coordinator logs crash --rank 1"), reason
+    assert "gloo: connection closed by peer" in reason  # the others', after it
+    env = {**os.environ, "COORDINATOR_DATA": str(service.data), "COLUMNS": "400"}
+    env.pop("COORDINATOR_TOKEN", None)
+    status = subprocess.run(
+        [sys.executable, "-m", "coordinator", "status", "crash", "--server", service.url],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert status.returncode == 1
+    assert "rank 1: the program exited with code 1 (RuntimeError: boom on rank 1" in status.stdout
+    assert "coordinator logs crash --rank 1" in status.stdout
 
 
 def test_only_exec_tokens_run_programs_and_bad_command_specs_are_named(

@@ -29,6 +29,7 @@ from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.support.dashboard import CHROMIUM, HISTORY, PHASES, VIEWPORT, Watched, launch
 from tests.support.service import READ_TOKEN, SUBMIT_TOKEN, ServiceProc, wait_state
+from tests.support.signing import session_signer
 
 pytestmark = pytest.mark.one_etcd
 SECONDS = 1000  # Playwright's timeouts are in milliseconds
@@ -143,7 +144,7 @@ def test_a_job_submitted_through_the_form_is_followed_live_to_succeeded(
     ranks = sorted(members.locator("td.rank").all_inner_texts())
     assert ranks == ["0", "1"], ranks
     for address in members.locator("td.address").all_inner_texts():
-        assert address.strip(), "a member without an address"
+        assert address.strip() not in ("", "-"), "a member without an address"
     expect(form.page.locator("ol#conditions li")).to_have_count(len(record["conditions"]))
     expect(form.page.locator("ol#events li").first).to_be_visible()
     expect(form.page.locator("button#cancel")).to_have_count(0)  # final: nothing to cancel
@@ -179,7 +180,7 @@ def test_the_filters_narrow_the_table(
     pages: Callable[..., Watched],
     etcd: Etcd,
 ) -> None:
-    store = JobStore(etcd)  # finished records, written before the service runs
+    store = JobStore(etcd, session_signer())  # finished records, written before the service runs
     for job_id, kind, final, team in [
         ("f-ok", "noop", JobState.SUCCEEDED, "a"),
         ("f-failed", "xgboost", JobState.FAILED, "b"),
@@ -426,6 +427,26 @@ def test_a_command_job_shows_its_members_and_their_logs(
     expect(logs).to_contain_text("greetings from rank 1")
     expect(logs).not_to_contain_text("greetings from rank 0")
     expect(page.page.locator("[data-shows]:visible")).to_have_count(0)  # no charts: no data
+
+    # A 3-member job whose rank 1 raises (the others' programs fail after it, as a
+    # collective's peers would) opens on rank 1's output, its reason naming it first.
+    crash = (
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1': raise RuntimeError('boom on rank 1 at step 5')\n"
+        "time.sleep(1); sys.exit('gloo: connection closed by peer')\n"
+    )
+    spec = {"id": "dash-crash", "kind": "command", "workers": 3,
+            "command": [sys.executable, "-c", crash]}  # fmt: skip
+    assert service.http.post("/v1/jobs", json=spec).status_code == 201
+    page.page.evaluate("location.hash = '#/jobs/dash-crash'")
+    expect(page.page.locator("#job-state")).to_have_text("FAILED", timeout=90 * SECONDS)
+    reason = page.page.locator("#job-reason")
+    expect(reason).to_have_text(
+        re.compile(r"^rank 1: the program exited with code 1 \(RuntimeError: boom on rank 1")
+    )
+    expect(reason).to_have_text(re.compile(r"its output: coordinator logs dash-crash --rank 1$"))
+    expect(page.page.locator("select#log-rank option:checked")).to_have_text("rank 1")
+    expect(logs).to_contain_text("[rank 1] RuntimeError: boom on rank 1 at step 5")
     page.assert_clean()
 
 
@@ -521,3 +542,28 @@ def test_the_printed_link_signs_in_and_the_token_leaves_the_address_bar(
     expect(bare.page.locator("form#login")).to_be_visible()
     page.assert_clean()
     bare.assert_clean()
+
+    # A link to a job's page carries the token too, and lands on that page without it.
+    job = service.http.post("/v1/jobs", json={"kind": "noop", "workers": 1}).json()["id"]
+    to_job = pages(f"{link}&/jobs/{job}")
+    expect(to_job.page.locator("#job-state")).to_have_text(re.compile("[A-Z]+"))
+    assert to_job.page.url == f"{service.url}/#/jobs/{job}"
+    to_job.assert_clean()
+
+
+def test_the_jobs_count_says_loading_until_the_jobs_come(
+    serve: Callable[..., ServiceProc],
+    pages: Callable[..., Watched],
+) -> None:
+    """Not "Jobs 0" before the first answer: a list that never comes shows no count."""
+    service = serve()
+    service.http.post("/v1/jobs", json={"kind": "noop", "workers": 1})
+    page = pages("about:blank")
+    page.page.route(re.compile(r".*/v1/jobs(\?.*)?$"), lambda route: route.abort())
+    page.page.goto(service.dashboard_link())
+    expect(page.page.locator("body")).to_have_attribute("data-role", "exec")
+    expect(page.page.locator("#jobs-count")).to_have_text("…")
+    page.page.unroute(re.compile(r".*/v1/jobs(\?.*)?$"))
+    page.page.reload()
+    expect(page.page.locator("#jobs-count")).to_have_text("1")
+    page.checked = True  # (the aborted requests are this test's own doing)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from coordinator.etcd.client import Etcd
-from coordinator.etcd.security import EtcdSecurity
+from coordinator.etcd.security import ENV, EtcdSecurity
 from coordinator.rendezvous.errors import MemberLost, SessionLost
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.processes import Proc, member_proc_args, worker_args
@@ -33,6 +33,14 @@ SHORT_TTL = 2
 JOB = "job"
 #: Seconds for processes to start and reach a phase before any fault (a loaded CI host).
 STARTUP = 90
+
+
+@pytest.fixture(autouse=True)
+def _plain_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster has neither auth nor TLS: the members these tests start must not take
+    the session etcd's settings (in the environment once a test used it)."""
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from coordinator.etcd.server import EmbeddedEtcd, ServerTls, find_etcd_binary
 from coordinator.etcd.session import Session
 from tests.support.processes import Proc
 from tests.support.service import ServiceProc, kill_members, wait_state
+from tests.support.signing import key_files
 from tests.support.wait import wait_until
 
 NAMESPACE = "/tls-jobs"  # the trainer's role may read and write under NAMESPACE/ only
@@ -301,6 +302,7 @@ def test_the_service_an_agent_and_their_members_work_as_the_restricted_user(
     agent_args = _coordinator(
         "agent", "--etcd", secured.server.endpoint, "--namespace", NAMESPACE, "--id", "tls-agent",
         "--data-dir", str(tmp_path / "agent"), "--ttl", "2", *options,
+        "--service-key", str(key_files()[1]),
     )  # fmt: skip
     _start(procs, agent_args)
     service = ServiceProc(secured.server.endpoint, NAMESPACE, data, *options)

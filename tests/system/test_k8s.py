@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -496,6 +497,7 @@ def test_every_container_runs_least_privileged_with_requests_and_limits(source: 
                     "/artifacts",
                     "/var/run/etcd",
                     "/etc/etcd/tls",
+                    "/etc/etcd/peer-tls",
                 ) or path.startswith("/etc/coordinator/"), name
 
 
@@ -575,6 +577,7 @@ def test_the_service_deployment_serves_with_tokens_from_a_secret() -> None:
         "--token-file": options["--token-file"],
         "--default-launcher": "agents",
         "--data-dir": "/data",
+        "--signing-key": "/etc/coordinator/signing-key/signing-key",  # one for every replica
         "--k8s-image": "etcd-coordinator:latest",  # the kubernetes launcher, in the namespace
         "--k8s-etcd": "https://etcd:2379",
     }
@@ -640,6 +643,57 @@ def test_the_agents_are_a_statefulset_with_ids_and_addresses_from_the_downward_a
     assert [p["containerPort"] for p in container["ports"]] == [int(options["--port"])]
     # Draining (30 s by default) fits in the grace before the kubelet's SIGKILL.
     assert pod["terminationGracePeriodSeconds"] > 30
+
+
+def test_an_agent_pod_sees_only_its_own_password() -> None:
+    """The Secret holds every agent's password; only the init container mounts it, and
+    it copies the pod's own key into memory. The agent (and the programs it runs) mount
+    that copy alone, so a member cannot read another agent's password."""
+    pod = only(k8s.load(), "StatefulSet", "coordinator-agent")["spec"]["template"]["spec"]
+    by_name = volumes(pod)
+    every_password = {
+        n
+        for n, v in by_name.items()
+        if v.get("secret", {}).get("secretName") == "coordinator-agents"
+    }
+    (init,) = pod["initContainers"]
+    (agent,) = pod["containers"]
+    assert every_password and not every_password & set(mounts(agent).values())
+    assert every_password <= set(mounts(init).values())
+    source, target = init["command"][-2:]
+    assert source.endswith("/$(POD_NAME)") and init["command"][:3] == ["install", "-m", "0400"]
+    own = by_name[mounts(agent)[str(Path(target).parent)]]
+    assert own["emptyDir"]["medium"] == "Memory"
+    assert env(agent)["COORDINATOR_ETCD_PASSWORD_FILE"]["value"] == target
+
+
+def test_only_the_service_holds_the_signing_key_and_agents_its_public_half() -> None:
+    """Every service replica signs with `coordinator-signing-key`; the agents verify with
+    `coordinator-service-key`, which cannot sign, and never mount the private key."""
+    docs = k8s.load()
+    service = only(docs, "Deployment", "coordinator")["spec"]["template"]["spec"]
+    agents = only(docs, "StatefulSet", "coordinator-agent")["spec"]["template"]["spec"]
+
+    def key_file(pod: dict[str, Any], option: str) -> tuple[str, str, str]:
+        """The Secret (its name and key) that `option` of the pod's container names."""
+        (container,) = pod["containers"]
+        path = container["args"][container["args"].index(option) + 1]
+        folder, key = path.rsplit("/", 1)
+        secret = volumes(pod)[mounts(container)[folder]]["secret"]
+        return secret["secretName"], key, oct(secret["defaultMode"])
+
+    assert key_file(service, "--signing-key") == ("coordinator-signing-key", "signing-key", "0o440")
+    assert key_file(agents, "--service-key") == (
+        "coordinator-service-key", "signing-key.pub", "0o444"
+    )  # fmt: skip
+    pods = [d["spec"]["template"]["spec"] for d in docs if "template" in d.get("spec", {})]
+    holders = [
+        pod
+        for pod in pods
+        if "coordinator-signing-key"
+        in {v.get("secret", {}).get("secretName") for v in pod.get("volumes", [])}
+    ]
+    assert holders == [service]
 
 
 def test_render_builds_its_job_with_the_function_the_launcher_uses() -> None:
@@ -712,15 +766,30 @@ def secret_references(docs: list[dict[str, Any]]) -> dict[str, set[str]]:
     return found
 
 
-def one_time_secrets(agents: int = 3) -> list[dict[str, Any]]:
+TOKENS = "coordinator-tokens"  # the Secret of the API's tokens
+
+
+def one_time_secrets(agents: int = 3, **settings: str) -> list[dict[str, Any]]:
     """What k8s/init-secrets.sh creates, as `kubectl create --dry-run=client` prints it."""
+    env = {"PATH": os.environ["PATH"], "DRY_RUN": "1", "AGENTS": str(agents), "HOME": "/tmp"}
     result = subprocess.run(
         [str(K8S / "init-secrets.sh"), "team-a"],
-        capture_output=True, text=True, timeout=120,
-        env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "AGENTS": str(agents), "HOME": "/tmp"},
+        capture_output=True, text=True, timeout=120, env={**env, **settings},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_the_one_time_step_issues_an_exec_token_only_when_asked() -> None:
+    def roles(**settings: str) -> list[str]:
+        [tokens] = [d for d in one_time_secrets(**settings) if d["metadata"]["name"] == TOKENS]
+        text = base64.b64decode(tokens["data"]["tokens"]).decode()
+        return [line.split()[0] for line in text.splitlines() if not line.startswith("#")]
+
+    assert roles() == ["submit", "read"]
+    assert roles(EXEC_TOKEN="1") == ["submit", "read", "exec"]
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -759,6 +828,44 @@ def test_the_one_time_step_makes_every_secret_the_manifests_read() -> None:
         assert f"DNS:{name}" in text, text
     assert secrets["etcd-tls"]["type"] == "kubernetes.io/tls"
     assert not [d for d in shipped if d["kind"] == "Secret"]
+    # The raft peers' certificate: signed by their own CA (not the clients'), for the pods.
+    peer = {k: base64.b64decode(v) for k, v in secrets["etcd-peer-tls"]["data"].items()}
+    client_ca = base64.b64decode(secrets["etcd-ca"]["data"]["ca.crt"])
+    assert peer["ca.crt"] != client_ca
+    text = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName,extendedKeyUsage"],
+        input=peer["tls.crt"], capture_output=True, timeout=30, check=True,
+    ).stdout.decode()  # fmt: skip
+    assert "DNS:*.etcd," in text and "Web Server" in text and "Web Client" in text, text
+    with tempfile.TemporaryDirectory() as folder:
+        for name, issuer in (("peer", peer["ca.crt"]), ("client", client_ca)):
+            (Path(folder) / name).write_bytes(issuer)
+        (Path(folder) / "cert").write_bytes(peer["tls.crt"])
+        verify = ["openssl", "verify", "-CAfile"]
+        signed = [subprocess.run([*verify, str(Path(folder) / ca), str(Path(folder) / "cert")],
+                                 capture_output=True, timeout=30).returncode
+                  for ca in ("peer", "client")]  # fmt: skip
+    assert signed[0] == 0 and signed[1] != 0
+
+
+def test_etcd_peers_speak_tls_and_present_a_certificate_of_their_own_ca() -> None:
+    """etcd trusts what arrives on its peer port (down to the user inside a raft entry):
+    every peer URL is https, a peer must present a certificate (--peer-client-cert-auth)
+    of the peer CA, which is not the clients' CA, from the Secret `etcd-peer-tls`."""
+    statefulset = only(k8s.load(), "StatefulSet", "etcd")
+    pod = statefulset["spec"]["template"]["spec"]
+    (etcd,) = pod["containers"]
+    flags = dict(a.split("=", 1) for a in etcd["args"] if "=" in a)
+    for flag in ("listen-peer-urls", "initial-advertise-peer-urls"):
+        assert flags["--" + flag].startswith("https://"), flag
+    assert all(url.split("=", 1)[1].startswith("https://") for url in [flags["--initial-cluster"]])
+    assert "--peer-client-cert-auth" in etcd["args"]
+    assert flags["--peer-trusted-ca-file"] != flags.get("--trusted-ca-file")
+    folder = mounts(etcd)
+    for flag in ("peer-cert-file", "peer-key-file", "peer-trusted-ca-file"):
+        directory = flags["--" + flag].rsplit("/", 1)[0]
+        assert volumes(pod)[folder[directory]]["secret"]["secretName"] == "etcd-peer-tls", flag
+    assert not [a for a in etcd["args"] if "peer" in a and "http://" in a]
 
 
 def test_etcd_serves_tls_only_and_every_client_trusts_its_ca_with_a_user_of_its_own() -> None:

@@ -2,7 +2,7 @@
 
 Each trial starts real `coordinator worker` processes with random start delays,
 SIGKILLs a random one a random moment after it reaches a stage (start-up, each
-rendezvous phase, the job), and checks the README's failure semantics: no hang,
+rendezvous phase, the job), and checks the failure semantics of docs/rendezvous.md: no hang,
 documented exit codes only, the ranked members fail within TTL + 2 s of a ranked
 member's death, no rendezvous key outlives the TTL. A member killed before it took
 a rank leaves the others unable to elect N ranks: they fail at the phase deadline

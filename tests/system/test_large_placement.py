@@ -10,7 +10,6 @@ then the whole path: real agents, a real service, real members.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +42,7 @@ from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.support.agents import SlotWatch, register, registered
 from tests.support.service import ServiceProc, wait_state
+from tests.support.signing import session_signer
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.one_etcd
@@ -148,9 +148,9 @@ def two_fake_agents(etcd: Etcd) -> Iterator[Session]:
 def test_a_release_withdraws_an_uncommitted_placement_but_never_a_committed_one(
     etcd: Etcd, two_fake_agents: Session
 ) -> None:
-    store = JobStore(etcd)
+    store = JobStore(etcd, session_signer())
     record = store.submit(JobSpec(id="big", kind="noop", workers=10), time.time())[0]
-    launcher = AgentsLauncher(etcd, max_txn_ops=6)
+    launcher = AgentsLauncher(etcd, session_signer(), max_txn_ops=6)
     launch = _launch(etcd, "big", 10, record.run_id)
 
     first = launcher.reserve(launch)
@@ -184,24 +184,28 @@ def test_an_etcd_that_refuses_the_one_big_transaction_takes_the_chunks(
     """etcd with --max-txn-ops 8: the single transaction of a 10-member placement is
     refused; the chunked one is written and committed."""
     with EmbeddedEtcd(extra_args=["--max-txn-ops", "8"]) as server:
-        for var in ENV.values():
-            monkeypatch.delenv(var, raising=False)
-        server.security.export(os.environ)  # (monkeypatch restores the session's)
+        settings: dict[str, str] = {}
+        server.security.export(settings)
+        for var in ENV.values():  # setenv, not delenv: only setenv undoes what it adds
+            if var in settings:
+                monkeypatch.setenv(var, settings[var])
+            else:
+                monkeypatch.delenv(var, raising=False)
         with Etcd(server.endpoint, namespace="/small") as etcd:
             session = Session(etcd, 10)
             try:
                 register(etcd, "fake-a", 6, session)
                 register(etcd, "fake-b", 6, session)
-                store = JobStore(etcd)
+                store = JobStore(etcd, session_signer())
                 record = store.submit(JobSpec(id="big", kind="noop", workers=10), time.time())[0]
                 launch = _launch(etcd, "big", 10, record.run_id)
-                whole = AgentsLauncher(etcd, max_txn_ops=1000).reserve(launch)
+                whole = AgentsLauncher(etcd, session_signer(), max_txn_ops=1000).reserve(launch)
                 assert whole is not None and len(whole.puts) == 10
                 with pytest.raises(EtcdError, match="too many operations"):
                     store.update(record.id, _starting, whole.guards, whole.puts)
                 assert _assigned(etcd) == []
 
-                chunked = AgentsLauncher(etcd, max_txn_ops=8).reserve(launch)
+                chunked = AgentsLauncher(etcd, session_signer(), max_txn_ops=8).reserve(launch)
                 assert chunked is not None
                 started = store.update(record.id, _starting, chunked.guards, chunked.puts)
                 assert started.state == JobState.STARTING
@@ -319,7 +323,7 @@ def test_a_placement_never_committed_starts_nothing_and_is_swept(
     for n in range(2):
         wait_until(lambda n=n: registered(etcd, f"agent-{n}"), 30, f"agent-{n} to register")
     service_in_process(placement_grace=2.0)
-    launcher = AgentsLauncher(etcd, max_txn_ops=6)
+    launcher = AgentsLauncher(etcd, session_signer(), max_txn_ops=6)
     launch = _launch(etcd, "ghost", 10)
     reservation = launcher.reserve(launch)  # and then no commit, no release: it "died"
     assert reservation is not None
@@ -344,12 +348,13 @@ def test_a_job_of_150_workers_places_on_three_agents_with_the_default_limit(
     etcd: Etcd,
     slots: SlotWatch,
 ) -> None:
-    # Leases of 10 s (the fixtures' 2 s are for tests that kill things): 150 members
-    # starting at once load the machine far beyond its 2 cores.
-    three_agents(agents, etcd, "--slots", "50", "--ttl", "10")
+    # Leases of 30 s (the fixtures' 2 s are for tests that kill things): 150 members
+    # starting at once load the machine far beyond its 2 cores (with 10 s, a member once
+    # lost its lease there: exit 7).
+    three_agents(agents, etcd, "--slots", "50", "--ttl", "30")
     # (and 60 s to reach etcd, which those 150 starting processes starve of CPU)
     service = serve(
-        "--default-launcher", "agents", "--member-ttl", "10", "--member-connect-timeout", "60"
+        "--default-launcher", "agents", "--member-ttl", "30", "--member-connect-timeout", "60"
     )
     response = service.http.post("/v1/jobs", json={"id": "many", "kind": "noop", "workers": 150})
     assert response.status_code == 201, response.text

@@ -238,7 +238,6 @@ def test_killed_worker_fails_the_others_fast_naming_it(
         assert failed["error"] == "MemberLost" and f"rank {rank}" in failed["message"]
 
 
-@pytest.mark.container_etcd_slow  # the suite's budget: what it tests is not where etcd runs
 @pytest.mark.parametrize("method", sorted(KILL_METHODS))
 def test_killed_worker_leaves_the_set_and_the_others_finish_with_continue(
     method: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
@@ -270,7 +269,6 @@ def test_bad_parameters_are_named(params: dict[str, str], field: str) -> None:
         parse(params, WORLD)
 
 
-@pytest.mark.container_etcd_slow  # the suite's budget: what it tests is not where etcd runs
 def test_a_step_that_never_looks_at_etcd_is_ended_by_the_watchdog(
     etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any
 ) -> None:

@@ -26,6 +26,7 @@ import typer
 
 from coordinator.cli import app
 from coordinator.etcd.server import EmbeddedEtcd, free_port
+from tests.support.signing import key_files
 from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,7 +284,7 @@ def test_etcd_command_serves_until_ctrl_c(blocked: Blocked, tmp_path: Path) -> N
     process = blocked.start(log, "etcd")
     try:
         endpoint = wait_until(
-            lambda: re.search(r"^127\.0\.0\.1:\d+$", log.read_text(), re.MULTILINE),
+            lambda: re.search(r"^(https://)?127\.0\.0\.1:\d+$", log.read_text(), re.MULTILINE),
             30,
             "the embedded etcd's endpoint",
         )[0]
@@ -334,7 +335,7 @@ def test_run_stops_at_the_workers_refusal(
         *data,
     )  # fmt: skip
     ran.check({2}, f"{module} is missing" if name == "mnist" else "need pyarrow", "pip install")
-    assert "worker 0 (rank None) exited 2:" in ran.output, ran.output
+    assert "worker 0 (no rank yet) exited 2:" in ran.output, ran.output
     assert extra(name) in " ".join(ran.output.split()), ran.output
 
 
@@ -350,11 +351,12 @@ def test_service_agent_and_clients(
     serve = blocked.start(
         serve_log, "serve", "--etcd", endpoint, "--namespace", namespace, "--port", str(port),
         # The default data dir (./coordinator-data), where the clients find its api-token.
-        "--data-root", str(blocked.cwd),
+        "--data-root", str(blocked.cwd), "--signing-key", str(key_files()[0]),
     )  # fmt: skip
     agent = blocked.start(
         agent_log, "agent", "--etcd", endpoint, "--namespace", namespace, "--id", "a1",
         "--slots", "1", "--data-dir", str(tmp_path / "agent"),
+        "--service-key", str(key_files()[1]),
     )  # fmt: skip
     try:
         wait_until(lambda: _healthy(server[1]), 30, "the service to answer")

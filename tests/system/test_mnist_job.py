@@ -146,11 +146,15 @@ def test_bsp_reaches_95_percent_and_saves_the_model_it_scored(
 # -- 2. synchronous SGD with averaged gradients == one process with the whole batch -
 
 
+@pytest.mark.parametrize("rule", ["plain", "scaled"])
 def test_aggregated_bsp_equals_one_process_with_the_whole_batch(
-    etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any, tmp_path: Path
+    rule: str, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any, tmp_path: Path
 ) -> None:
+    """`plain`: torch's SGD at the job's lr and momentum; `scaled` (the default): at
+    sqrt(P) times the lr and momentum 1 - sqrt(P) (1 - m), P = 2 trainers."""
     batch, steps = 16, 4
     params = {
+        "update_rule": rule,
         "aggregate": "true",
         "batch_size": batch,
         "num_steps": steps,
@@ -169,9 +173,10 @@ def test_aggregated_bsp_equals_one_process_with_the_whole_batch(
 
     def reference(trainers: list[int]) -> dict[str, torch.Tensor]:
         model = initial_model(options)
-        sgd = torch.optim.SGD(
-            model.parameters(), lr=options.optimizer.lr, momentum=options.optimizer.momentum
-        )
+        lr, momentum = options.optimizer.lr, options.optimizer.momentum
+        if rule == "scaled":
+            lr, momentum = lr * 2**0.5, 1 - 2**0.5 * (1 - momentum)
+        sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         for step in range(steps):
             rows = [
                 batch_rows(options.seed, t, len(ys[t]), batch, step) for t in trainers
@@ -388,11 +393,16 @@ def test_good_idx_files_parse(tmp_path: Path) -> None:
         ({"optimizer": "rmsprop"}, "optimizer='rmsprop'"),
         ({"ps": "-1"}, "ps must be >= 1, got -1"),
         ({"checkpoint_every": "-1"}, "checkpoint_every must be >= 0, got -1"),
+        ({"lr": "-0.1"}, "parameter lr must be a finite number >= 0, got '-0.1'"),
+        ({"update_rule": "bogus"}, "parameter update_rule must be one of plain, scaled"),
+        ({"update_rule": "dc", "compensation": "20"}, r"compensation must be in \[0, 10\]"),
+        ({"optimizer": "adam", "update_rule": "async"}, "update_rule=async sizes SGD's"),
     ],
     ids=[
         "unknown", "xsp", "ps", "aggregate-asp", "straggler-server", "bad-magic",
         "missing-dir", "epochs", "batch-size", "optimizer", "ps-negative",
-        "checkpoint-negative",
+        "checkpoint-negative", "lr-negative", "rule-unknown", "compensation-range",
+        "rule-adam",
     ],
 )  # fmt: skip
 def test_bad_input_is_named(params: dict[str, str], cause: str, tmp_path: Path) -> None:
@@ -412,6 +422,7 @@ def test_bad_input_exits_2_before_joining_leaving_no_keys(
     write_idx(tmp_path / "bad", train_magic=0x804)
     cases = [
         ({"method": "xsp"}, "method='xsp'"),
+        ({"update_rule": "dc", "compensation": "-1"}, "parameter compensation must be"),
         ({"straggler_rank": "0"}, "straggler_rank=0"),
         ({"data": tmp_path / "bad"}, "train-images-idx3-ubyte.*magic"),
     ]

@@ -66,7 +66,7 @@ def test_aggregate_bsp_over_two_servers_equals_one_process_with_the_whole_batch(
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     spec = ps.optimizer("sgd", 0.1, momentum=0.9)
-    servers, peers = listening(2, 2, optimizer=spec, aggregate=True)
+    servers, peers = listening(2, 2, optimizer=spec, update_rule="plain", aggregate=True)
     failures: list[BaseException] = []
 
     def train(index: int) -> None:

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from coordinator.etcd.client import Etcd
+from coordinator.etcd.security import ENV
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.rendezvous.errors import JobFull, MemberLost, RendezvousTimeout
 from coordinator.worker import EXIT_ETCD_UNAVAILABLE
-from tests.support.processes import member_proc_args, worker_args
+from tests.support.processes import member_proc_args, unreachable_etcd, worker_args
 from tests.support.wait import wait_until
 
 TTL = 2  # etcd's minimum: a lost member must be noticed within TTL + 2 s
 
 
-@pytest.mark.container_etcd_slow  # the suite's budget: the other tests use etcd in a container
 @pytest.mark.parametrize("n", [2, 8, 32])
 def test_members_rendezvous_with_distinct_ranks_one_roster_and_true_barriers(
     n: int, etcd_server: EmbeddedEtcd, etcd: Etcd, spawn
@@ -162,7 +162,7 @@ def test_a_waiting_member_shows_its_threads_on_sigusr1_and_goes_on(
 def test_wrong_etcd_address_fails_fast_with_a_clear_message(namespace: str, spawn) -> None:
     with socket.socket() as unused:  # a port nothing listens on
         unused.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{unused.getsockname()[1]}"
+        endpoint = unreachable_etcd(unused.getsockname()[1])
         started = time.monotonic()
         proc = spawn(worker_args(endpoint, namespace, "job", 2, connect_timeout=1))
         assert proc.wait_exit(timeout=20) == EXIT_ETCD_UNAVAILABLE
@@ -191,10 +191,14 @@ def test_phase_deadline_names_the_missing_ranks(
         assert f"phase 'training' timed out after 3s waiting for ranks {stalled_rank}" in message
 
 
-def test_etcd_restart_mid_rendezvous_is_survived(spawn, tmp_path: Path, namespace: str) -> None:
+def test_etcd_restart_mid_rendezvous_is_survived(
+    spawn, tmp_path: Path, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """etcd stops and comes back on the same data dir while members wait at a barrier:
     every member carries on and finishes, because leases are restored on restart,
     watches resume from their last revision, and requests retry within their window."""
+    for variable in ENV.values():  # a plain etcd of its own: not the session's settings
+        monkeypatch.delenv(variable, raising=False)
     with EmbeddedEtcd(data_dir=tmp_path / "etcd", auth=False) as server:
         resume = tmp_path / "resume"
         stalled = spawn(

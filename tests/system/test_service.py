@@ -305,19 +305,24 @@ def test_without_tokens_the_service_refuses_to_listen_beyond_loopback(tmp_path: 
 # -- the CLI client ---------------------------------------------------------------------
 
 
+def client_command(service: ServiceProc, *args: str) -> dict[str, Any]:
+    """What runs `coordinator ARGS` against `service`, for subprocess.run or Popen. No
+    --token: the CLI finds the token the service made in its data directory."""
+    env = {k: v for k, v in os.environ.items() if k != "COORDINATOR_TOKEN"}
+    return {
+        "args": [sys.executable, "-m", "coordinator", *args, "--server", service.url],
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "text": True,
+        "env": {**env, "COORDINATOR_DATA": str(service.data)},
+    }
+
+
 def test_the_cli_submits_waits_and_mirrors_the_outcome(serve: Callable[..., ServiceProc]) -> None:
     service = serve()
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        # No --token: the CLI finds the token the service made in its data directory.
-        env = {k: v for k, v in os.environ.items() if k != "COORDINATOR_TOKEN"}
-        return subprocess.run(
-            [sys.executable, "-m", "coordinator", *args, "--server", service.url],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env={**env, "COORDINATOR_DATA": str(service.data)},
-        )
+        return subprocess.run(**client_command(service, *args), timeout=180)
 
     done = cli("submit", "noop", "--workers", "2", "--id", "cli-ok", "--wait")
     assert done.returncode == 0, done.stderr
@@ -333,6 +338,27 @@ def test_the_cli_submits_waits_and_mirrors_the_outcome(serve: Callable[..., Serv
     assert listed.returncode == 0 and "cli-ok" in listed.stdout
     missing = cli("status", "nobody")
     assert missing.returncode == 2 and "404" in missing.stderr
+
+
+def test_submit_wait_and_events_follow_a_quiet_job_past_the_keep_alives(
+    serve: Callable[..., ServiceProc],
+) -> None:
+    """A job whose state stays put for many keep-alives of its events stream (every 0.3 s
+    here, 15 s by default): `submit --wait` and `events` follow it to its end."""
+    service = serve("--events-ping", "0.3")
+    args = ["submit", "noop", "--workers", "1", "--id", "quiet", "--param", "seconds=3"]
+    assert subprocess.run(**client_command(service, *args), timeout=60).returncode == 0
+    with subprocess.Popen(**client_command(service, "events", "quiet")) as events:
+        try:
+            # The same submit again is the same job (idempotent), now followed to its end.
+            waited = subprocess.run(**client_command(service, *args, "--wait"), timeout=60)
+            assert waited.returncode == 0, waited.stderr
+            assert "quiet: SUCCEEDED" in waited.stdout
+            out, errors = events.communicate(timeout=30)
+        finally:
+            events.kill()
+    assert events.returncode == 0, errors
+    assert "SUCCEEDED" in out
 
 
 # -- queue, deadline, metrics -------------------------------------------------------------

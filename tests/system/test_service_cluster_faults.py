@@ -33,6 +33,7 @@ from coordinator.service.states import TRANSITIONS
 from coordinator.service.store import JobStore
 from tests.support.etcd_cluster import EtcdCluster, Link
 from tests.support.service import ServiceProc, kill_members, no_member_runs, sse, wait_state
+from tests.support.signing import session_signer
 from tests.support.wait import wait_until
 
 LEADER_TTL = 5  # the service's leadership lease (`ServiceOptions.leader_ttl`)
@@ -176,7 +177,7 @@ def test_a_job_etcd_refuses_every_tick_holds_back_no_other_job(
     launcher = RefusesOneJob(replica.logs, "refused")
     try:
         replica.run(launcher)
-        store = JobStore(inspect)
+        store = JobStore(inspect, session_signer())
         for job_id in ("refused", "after"):  # the refused one first in the queue
             store.submit(JobSpec(id=job_id, kind="noop", workers=1), time.time())
         wait_until(
@@ -251,7 +252,7 @@ class Replica:
         self, cluster: EtcdCluster, endpoints: str, namespace: str, name: str, logs: Path
     ) -> None:
         self.etcd = Etcd(endpoints, namespace=namespace, security=EtcdSecurity())
-        self.store = JobStore(self.etcd, mirror=True)
+        self.store = JobStore(self.etcd, session_signer(), mirror=True)
         self.leadership = Leadership(self.etcd, name, LEADER_TTL)
         self.logs = logs
         self.launcher: LocalLauncher = LocalLauncher(logs)
@@ -301,7 +302,7 @@ def test_a_leader_cut_off_mid_launch_kills_its_unrecorded_member_before_a_succes
         wait_until(lambda: cut.leadership.leading, 10, "the first replica to lead")
         survivor.run()
         spec = JobSpec(id="mid", kind="noop", workers=2, params={"seconds": "30"}, max_restarts=1)
-        inspect_store = JobStore(inspect)
+        inspect_store = JobStore(inspect, session_signer())
         inspect_store.submit(spec, time.time())
         launcher = cut.launcher
         assert isinstance(launcher, CutAfterStarting)

@@ -16,7 +16,9 @@ Random data alone would only meet 404s and 422s, so besides it:
 - valid `noop` submits (one worker, no wait: each starts one real member) with ids
   from a small pool, so submits are created (201), repeated (200) and conflict (409);
 - the path's `job_id` drawn from jobs that exist: finished ones made before the fuzzing
-  (succeeded, failed by its deadline, cancelled while queued) and the fuzzed submits.
+  (succeeded, failed by its deadline, cancelled while queued) and the fuzzed submits;
+- explicit cases: every hostile value of tests/support/hostile.py (1e999, lone
+  surrogates, NULs, parameters a member would choke on), each of which must get a 422.
 
 The streaming endpoints (`/events`, `/logs?follow=true`) stream until their job ends,
 so they get only job ids whose streams end at once: unknown ones (404) and the
@@ -51,6 +53,7 @@ from schemathesis import checks
 from schemathesis.core.failures import FailureGroup
 from schemathesis.generation.modes import GenerationMode
 
+from tests.support.hostile import PARAM_CASES, job_cases
 from tests.support.service import ServiceProc, no_member_runs, wait_state
 from tests.support.wait import wait_until
 
@@ -90,22 +93,28 @@ class Fuzzing:
         )
         @given(case=strategy)
         def one(case: Any) -> None:
-            self.cases += 1
-            operation = case.operation.label
-            try:
-                response = case.call_and_validate(
-                    session=self.session, checks=CHECKS, timeout=REQUEST_TIMEOUT
-                )
-            except FailureGroup as group:
-                for failure in group.exceptions:
-                    key = (operation, failure.title)
-                    self.failures.setdefault(key, f"[{label}] {group.message}")
-                return
-            self.statuses[(operation, response.status_code)] += 1
-            if response.status_code == 200 and response.content:
-                self.stream_bodies[operation] += 1
+            self.call(label, case)
 
         one()
+
+    def call(self, label: str, case: Any) -> int | None:
+        """Send one case and check its response, recording what came back; its status
+        (None when a check failed)."""
+        self.cases += 1
+        operation = case.operation.label
+        try:
+            response = case.call_and_validate(
+                session=self.session, checks=CHECKS, timeout=REQUEST_TIMEOUT
+            )
+        except FailureGroup as group:
+            for failure in group.exceptions:
+                key = (operation, failure.title)
+                self.failures.setdefault(key, f"[{label}] {group.message}")
+            return None
+        self.statuses[(operation, response.status_code)] += 1
+        if response.status_code == 200 and response.content:
+            self.stream_bodies[operation] += 1
+        return int(response.status_code)
 
     def report(self) -> str:
         lines = [f"{len(self.failures)} distinct failures in {self.cases} cases "]
@@ -209,6 +218,7 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
         fuzz.run(f"{name} known ids", strategy, examples)
 
     known = finished + FUZZ_IDS
+    hostile_answers: list[int | None] = []
     try:
         for name in ["GET /healthz", "GET /readyz"]:
             random_data(name, 20, 0)
@@ -238,6 +248,19 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
         random_data("GET /v1/jobs/{job_id}/live", 30, 0)
         with_ids("GET /v1/jobs/{job_id}/live", finished, 30)
         random_data("POST /v1/simulate", 15, 30)
+        # Explicit cases: the hostile values of tests/support/hostile.py, as raw JSON text
+        # (1e999 and a lone `\ud800` have no Python value that serializes back to them).
+        for hostile in job_cases():
+            case = ops[f"POST {hostile.path}"].Case(
+                body=hostile.body.encode(), media_type="application/json"
+            )
+            hostile_answers.append(fuzz.call("hostile values", case))
+        for kind, params, _ in PARAM_CASES:
+            body: dict[str, Any] = {"kind": kind, "workers": 1, "params": params}
+            if kind == "command":
+                body["command"] = ["/bin/true"]
+            case = submit.Case(body=body, media_type="application/json")
+            hostile_answers.append(fuzz.call("hostile params", case))
         random_data("POST /v1/jobs/{job_id}/cancel", 80, 0)
         with_ids("POST /v1/jobs/{job_id}/cancel", known, 50)
         random_data("DELETE /v1/jobs/{job_id}", 80, 0)
@@ -252,6 +275,7 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
 
     if fuzz.failures:
         pytest.fail(fuzz.report(), pytrace=False)
+    assert hostile_answers == [422] * len(hostile_answers), hostile_answers
     assert fuzz.cases >= MIN_CASES, f"only {fuzz.cases} cases"
     missing = set(ops) - {operation for operation, _ in fuzz.statuses}
     assert not missing, f"never answered: {missing}"

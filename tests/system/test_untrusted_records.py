@@ -11,7 +11,6 @@ answers SIGUSR1 with a line, which it could not do after a SIGKILL.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -26,11 +25,14 @@ import pytest
 
 from coordinator.etcd.client import Etcd
 from coordinator.launch import WorkerCommand
+from coordinator.service import store as job_store
 from coordinator.service.launchers import VANISHED, Launch
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.model import JobRecord, JobSpec, JobState, Member
-from coordinator.service.store import InvalidRecord, JobStore, parse_record
+from coordinator.service.store import InvalidRecord, JobStore
+from coordinator.signing import JOB, SIGNATURE, canonical
 from tests.support.service import ServiceProc, wait_state
+from tests.support.signing import session_signer
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.one_etcd
@@ -116,9 +118,17 @@ def running(job_id: str, members: list[dict[str, Any]], **fields: Any) -> dict[s
     return record(job_id, workers=len(members), **fields)
 
 
+def signed(data: dict[str, Any]) -> bytes:
+    """`data` signed with the service's key: as if a forger held it, so what is tested here
+    is the validation behind the signature (tests/system/test_signed_records.py: without it)."""
+    payload = {key: value for key, value in data.items() if key != SIGNATURE}
+    return canonical({**payload, SIGNATURE: session_signer().sign(JOB, payload)})
+
+
 def write(etcd: Etcd, job_id: str, value: dict[str, Any] | str) -> int:
-    """Put a record at the job's key, as any writer of etcd could; its revision."""
-    text = value if isinstance(value, str) else json.dumps(value)
+    """Put a record at the job's key (signed), as any writer of etcd with the service's
+    key could; its revision."""
+    text = value if isinstance(value, str) else signed(value)
     return etcd.put(etcd.key("api", "jobs", job_id), text)
 
 
@@ -132,7 +142,11 @@ def stored_revision(etcd: Etcd, job_id: str) -> int:
 
 
 def as_raw(data: dict[str, Any]) -> bytes:
-    return json.dumps(data).encode()
+    return signed(data)
+
+
+def parse_record(job_id: str, raw: bytes) -> JobRecord:
+    return job_store.parse_record(job_id, raw, session_signer().public)
 
 
 def with_member(**fields: Any) -> dict[str, Any]:
@@ -206,7 +220,7 @@ def test_records_of_other_launchers_name_only_their_own_members() -> None:
 def test_a_record_under_another_jobs_key_and_garbage_are_refused() -> None:
     with pytest.raises(InvalidRecord, match="another job's key"):
         parse_record("victim", as_raw(record("forged")))
-    with pytest.raises(InvalidRecord, match="Invalid JSON"):
+    with pytest.raises(InvalidRecord, match="signature: not JSON"):
         parse_record("forged", b"{not json")
     with pytest.raises(InvalidRecord, match="submitted_at: Input should be a finite number"):
         parse_record("forged", as_raw(record("forged", submitted_at=float("nan"))))
@@ -384,8 +398,8 @@ def test_invalid_records_are_named_skipped_and_left_alone_while_other_jobs_run(
     revisions = {job_id: stored_revision(etcd, job_id) for job_id in invalid}
 
     causes = {
-        "garbage": "Invalid JSON",
-        "listish": "Input should be an object",
+        "garbage": "signature: not JSON",
+        "listish": "signature: the value is not a JSON object",
         "range-index": "index 5 is out of range for 1 workers",
         "range-rank": "rank 3 is out of range for 1 workers",
         "attempts": "3 attempts, but max_restarts 0 allows 1",
@@ -420,7 +434,7 @@ def test_invalid_records_are_named_skipped_and_left_alone_while_other_jobs_run(
 
 
 def test_a_store_without_a_mirror_skips_invalid_records_in_its_pages(etcd: Etcd) -> None:
-    store = JobStore(etcd)
+    store = JobStore(etcd, session_signer())
     for n in range(3):
         store.submit(JobSpec(id=f"ok-{n}", kind="noop", workers=1), time.time())
     write(etcd, "ok-1x", "{garbage")

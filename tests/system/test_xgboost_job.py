@@ -132,7 +132,6 @@ def whole_file_rows(shard: Any) -> list[int]:
     return [piece.stop - piece.start for piece in shard.pieces]
 
 
-@pytest.mark.container_etcd_slow  # the suite's budget: what it tests is not where etcd runs
 def test_a_member_killed_mid_training_fails_the_others_fast_naming_it(
     etcd_server: EmbeddedEtcd, etcd: Etcd, spawn: Any, tmp_path: Path
 ) -> None:

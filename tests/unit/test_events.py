@@ -157,7 +157,7 @@ def test_a_program_reports_under_its_members_rank_and_cannot_forge_the_members_e
     assert isinstance(parse_event(relayed(report, "stderr", 1)[0]), Output)
     # Plain lines pass as they are, on their own stream, always ending a line.
     assert relayed(b"epoch 1 done", "stderr", 0) == (b"epoch 1 done\n", "stderr")
-    assert relayed(b"\xff{not utf-8", "stdout", 0) == (b"\xff{not utf-8\n", "stdout")
+    assert relayed(b"\xff{not utf-8", "stdout", 0) == ("\ufffd{not utf-8\n".encode(), "stdout")
 
 
 def test_launcher_made_events_are_models_too() -> None:

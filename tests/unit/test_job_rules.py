@@ -24,6 +24,14 @@ NOW = 1_000.0
 GRACE = 10.0
 LOST = {"error": "MemberLost", "message": "member rank 1 was lost during phase 'training'"}
 OWN = {"error": "ValueError", "message": "bad learning rate"}
+#: What a member whose program failed says: the rank whose program ended first, first.
+PROGRAM = {
+    "error": "ProgramFailed",
+    "culprit": 1,
+    "message": "rank 1: the program exited with code 1 (RuntimeError: boom); "
+    "then rank 0's program exited with code 1",
+}
+LOGS = "; its output: coordinator logs job --rank {}"
 
 
 def member(index: int, phase: str = "training", code: int | None = None, **extra: Any) -> Member:
@@ -90,27 +98,36 @@ CASES: list[tuple[str, JobRecord, list[Action]]] = [
     (
         "a member's own failure is the reason, not the peer that lost it",
         record([member(0, code=5, failure=LOST), member(1, code=1, failure=OWN)]),
-        [StopAttempt("rank 1 failed (ValueError): bad learning rate", S.FAILED)],
+        [StopAttempt("rank 1 failed (ValueError): bad learning rate" + LOGS.format(1), S.FAILED)],
+    ),
+    (
+        "a failed program is named by the rank whose program failed first, whoever said it",
+        record([member(0, code=9, failure=PROGRAM), member(1, code=1, failure=LOST)]),
+        [StopAttempt(PROGRAM["message"] + LOGS.format(1), S.FAILED)],
     ),
     (
         "a member killed without a word is named by its rank",
         record([member(0, code=5, failure=LOST), member(1, code=137)]),
-        [StopAttempt("rank 1 was killed by signal 9 (exit 137)", S.FAILED)],
+        [StopAttempt("rank 1 was killed by signal 9 (exit 137)" + LOGS.format(1), S.FAILED)],
     ),
     (
         "a member that vanished",
         record([member(0), member(1, code=VANISHED)]),
-        [StopAttempt("rank 1 ended without a word (killed?)", S.FAILED)],
+        [StopAttempt("rank 1 ended without a word (killed?)" + LOGS.format(1), S.FAILED)],
     ),
     (
         "a failure with restarts left: RESTARTING",
         record([member(0, code=1, failure=OWN), member(1)], max_restarts=1),
-        [StopAttempt("rank 0 failed (ValueError): bad learning rate", S.RESTARTING)],
+        [
+            StopAttempt(
+                "rank 0 failed (ValueError): bad learning rate" + LOGS.format(0), S.RESTARTING
+            )
+        ],
     ),
     (
         "a failure with the restarts used up: FAILED",
         record([member(0, code=1, failure=OWN), member(1)], max_restarts=1, attempts=2),
-        [StopAttempt("rank 0 failed (ValueError): bad learning rate", S.FAILED)],
+        [StopAttempt("rank 0 failed (ValueError): bad learning rate" + LOGS.format(0), S.FAILED)],
     ),
     (
         "the deadline passed",

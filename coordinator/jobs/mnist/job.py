@@ -50,6 +50,8 @@ class MnistJob:
                 trainers=options.trainers,
                 peers=server_peers(member, options.servers),
                 optimizer=options.optimizer,
+                update_rule=options.rule.name,
+                compensation=options.rule.compensation,
                 aggregate=options.aggregate,
                 checkpoint_dir=folder / "checkpoint",
                 checkpoint_every=options.checkpoint_every,

@@ -21,6 +21,7 @@ from coordinator.jobs.params import artifacts_dir, check_known, float_param, int
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
 from coordinator.ps.model import MnistNet
 from coordinator.ps.optim import OptimizerSpec
+from coordinator.ps.rules import DEFAULT_COMPENSATION, UpdateRule, check_rule, default_rule
 
 JOB = "mnist"
 CLASSES = 10
@@ -42,6 +43,7 @@ class MnistOptions:
     last_step: int | None
     batch_size: int
     optimizer: OptimizerSpec
+    rule: UpdateRule
     aggregate: bool
     straggler_rank: int | None
     straggler_factor: float
@@ -106,6 +108,13 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
     aggregate = _bool(params, "aggregate")
     if aggregate and spec.method != Method.BSP:
         raise ValueError(f"{JOB} job: parameter aggregate=true needs method=bsp, not {spec}")
+    rule = default_rule(name, aggregate)
+    if "update_rule" in params or "compensation" in params:
+        compensation = float_param(JOB, params, "compensation", DEFAULT_COMPENSATION)
+        try:
+            rule = check_rule(params.get("update_rule", rule.name), compensation, name)
+        except ValueError as exc:
+            raise ValueError(f"{JOB} job: parameter {exc}") from None
     straggler, factor = parse_straggler(JOB, params, range(servers, world_size))
     data = parse_mnist(params.get("data", "digits"), field="data")
     check_train_shards(data, trainers)
@@ -130,6 +139,7 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
             decay=decay,
             decay_every=_updates_per_epoch(data, trainers, batch_size, aggregate),
         ),
+        rule=rule,
         aggregate=aggregate,
         straggler_rank=straggler,
         straggler_factor=factor,

@@ -60,6 +60,7 @@ def write_results(
         "trainers": options.trainers,
         "batch_size": options.batch_size,
         "optimizer": options.optimizer.name,
+        "update_rule": options.rule.name,
         "data": options.data.text,
         "test_accuracy": final["accuracy"],
         "test_loss": final["loss"],

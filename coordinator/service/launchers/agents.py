@@ -17,16 +17,21 @@ do. The member's state is its agent's report; an agent that dies takes its
 assignments and reports with its lease, and its members read as `VANISHED`
 (they die with it). Stopping a member writes `stop` into its assignment, and
 its output comes from its agent over HTTP, with the bearer token of the agent's
-registration. Registrations and reports are validated (`agent_protocol`): an
+registration, read within `OUTPUT_DEADLINE` seconds and `OUTPUT_CAP` bytes whatever
+the agent sends (what came by then is the answer). Registrations and reports are
+validated (`agent_protocol`): an
 agent's address is used only from a live (leased) registration that parses.
 The job's etcd credentials travel in the assignment, which only its agent (and
-the service) may read.
+the service) may read. Every assignment, and every change of one (`stop`), is signed
+with the service's key for its agent and that agent's registration
+(`agent_protocol.signed_assignment`): agents run nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter
 
 import httpx
@@ -36,7 +41,13 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, KeyValue, Put, QuietSince
 from coordinator.keys import Keys, leaf, member_name, of_run, placements_of
-from coordinator.service.agent_protocol import AgentRecord, Report
+from coordinator.service.agent_protocol import (
+    REGISTRATION,
+    AgentRecord,
+    Report,
+    assignment_payload,
+    signed_assignment,
+)
 from coordinator.service.chunks import (
     DEFAULT_MAX_TXN_BYTES,
     DEFAULT_MAX_TXN_OPS,
@@ -48,27 +59,36 @@ from coordinator.service.launchers import VANISHED, Launch, Reservation
 from coordinator.service.launchers.placements_ahead import PLACEMENT_GRACE, PlacementsAhead
 from coordinator.service.model import JobSpec, Member
 from coordinator.service.placement import AgentRoom, capacity, matches, place
+from coordinator.signing import SignatureError, Signer
 
 log = logging.getLogger(__name__)
+
+#: Seconds one read of a member's output may take in all, and the most bytes it returns.
+OUTPUT_DEADLINE = 2.0
+OUTPUT_CAP = 1024 * 1024
+#: Seconds each network operation of such a read may take (connect, send, each read).
+OUTPUT_STEP = 0.5
 
 
 class AgentsLauncher:
     def __init__(
         self,
         etcd: Etcd,
+        signer: Signer,
         max_txn_ops: int = DEFAULT_MAX_TXN_OPS,
         max_txn_bytes: int = DEFAULT_MAX_TXN_BYTES,
         placement_grace: float = PLACEMENT_GRACE,
     ) -> None:
         check_limits(max_txn_ops, max_txn_bytes)
-        self.ahead = PlacementsAhead(etcd, max_txn_ops, max_txn_bytes, placement_grace)
+        self.ahead = PlacementsAhead(etcd, signer, max_txn_ops, max_txn_bytes, placement_grace)
         self.etcd = etcd
+        self.signer = signer
         self.keys = Keys(etcd.namespace)
         # The most operations (and bytes) of one transaction this launcher makes or
         # hands the reconciler: bigger placements are written in chunks.
         self.max_txn_ops = max_txn_ops
         self.max_txn_bytes = max_txn_bytes
-        self._http = httpx.Client(timeout=3.0)
+        self._http = httpx.Client(timeout=OUTPUT_STEP)
         # agent id -> its output server and token, as last read
         self._addresses: dict[str, tuple[str, str]] = {}
 
@@ -126,12 +146,17 @@ class AgentsLauncher:
         placed = place(rooms, spec.workers, spec.agent_selector, spec.gpus_per_worker)
         if placed is None:
             return None
-        assignments = [_assignment(launch, index, gpus) for index, (_, gpus) in enumerate(placed)]
+        assignments = [
+            _assignment(launch, index, gpus, registrations[agent_id].create_revision)
+            for index, (agent_id, gpus) in enumerate(placed)
+        ]
         members, writes = [], []
         for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
             name = member_name(launch.run_id, launch.attempt, index)
             key = self.keys.assignment(agent_id, name)
-            writes.append(Write(agent_id, key, json.dumps(assignment).encode()))
+            writes.append(
+                Write(agent_id, key, signed_assignment(self.signer, agent_id, assignment))
+            )
             members.append(Member(index=index, assignment=f"{agent_id}/{name}"))
         if not fits_one_transaction(writes, self.max_txn_ops, self.max_txn_bytes):
             return self.ahead.write(launch, placed, assignments, members, registrations, revision)
@@ -210,12 +235,14 @@ class AgentsLauncher:
             kv = self.etcd.get(key)
             if kv is None:
                 return
-            assignment = json.loads(kv.value)
+            # Only what the service signed is signed again: never a value someone else wrote.
+            assignment = assignment_payload(self.signer.public, agent_id, kv.value)
             if assignment.get("stop") == "SIGKILL" or assignment.get("stop") == signal_name:
                 return
             assignment["stop"] = signal_name
-            self.etcd.replace(key, json.dumps(assignment), kv.mod_revision, kv.lease)
-        except EtcdError as exc:
+            value = signed_assignment(self.signer, agent_id, assignment)
+            self.etcd.replace(key, value, kv.mod_revision, kv.lease)
+        except (EtcdError, SignatureError) as exc:
             log.warning("member %s: %s", name, exc)
 
     def output(self, member: Member, offset: int) -> bytes:
@@ -227,10 +254,10 @@ class AgentsLauncher:
             address, token = found
             url = f"http://{address}/members/{name}/output"
             headers = {"Authorization": f"Bearer {token}"}
-            response = self._http.get(url, params={"offset": offset}, headers=headers)
-            if response.status_code == 401:
+            status, body = _read_capped(self._http, url, offset, headers)
+            if status == 401:
                 self._addresses.pop(agent_id, None)  # a new registration: read it again
-            return response.content if response.status_code == 200 else b""
+            return body if status == 200 else b""
         except (EtcdError, httpx.HTTPError) as exc:
             self._addresses.pop(agent_id, None)  # read again: it may have moved
             log.warning("output of %s: %s", name, exc)
@@ -256,10 +283,37 @@ class AgentsLauncher:
         return removed + self.ahead.delete_commits(placements_of(run_id))
 
 
-def _assignment(launch: Launch, index: int, gpus: tuple[int, ...]) -> dict[str, object]:
-    """What member `index` runs, as its agent reads it (`agent_protocol.Assignment`)."""
+def _read_capped(
+    client: httpx.Client, url: str, offset: int, headers: dict[str, str]
+) -> tuple[int, bytes]:
+    """GET `url` from `offset`: (status, at most `OUTPUT_CAP` bytes of body) within
+    `OUTPUT_DEADLINE` in all. httpx's timeouts bound each network operation, not the
+    whole: a server dripping a byte at a time would never trip them. So each operation
+    gets `OUTPUT_STEP` and no read starts that could end past the deadline; a read cut
+    short gives what came (the follower reads on from there)."""
+    deadline = time.monotonic() + OUTPUT_DEADLINE
+    body = bytearray()
+    params, timeout = {"offset": offset}, httpx.Timeout(OUTPUT_STEP)
+    with client.stream("GET", url, params=params, headers=headers, timeout=timeout) as response:
+        if response.status_code != 200:
+            return response.status_code, b""
+        chunks = response.iter_raw()
+        while len(body) < OUTPUT_CAP and time.monotonic() + OUTPUT_STEP <= deadline:
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            body += chunk
+    return 200, bytes(body[:OUTPUT_CAP])
+
+
+def _assignment(
+    launch: Launch, index: int, gpus: tuple[int, ...], registration: int
+) -> dict[str, object]:
+    """What member `index` runs, as its agent (of that registration) reads it
+    (`agent_protocol.Assignment`), before it is signed."""
     command = launch.command
     assignment: dict[str, object] = {
+        REGISTRATION: registration,
         "run_id": launch.run_id,
         "attempt": launch.attempt,
         "index": index,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,10 +31,18 @@ from typing import Any, NamedTuple
 import psutil
 
 from coordinator.etcd.users import Credentials, write_password_file
-from coordinator.events import Done, Failed, parse_event
+from coordinator.events import Done, Failed, parse_event, split_lines
 from coordinator.files import write_private
+from coordinator.jobs.run_as import NPROC_ENV, RUN_AS_ENV, pick_uid
 from coordinator.launch import WorkerCommand
 from coordinator.launch.local import start_process
+from coordinator.launch.pids import (
+    InCgroup,
+    MemberCgroups,
+    ProcessLimit,
+    Unbounded,
+    local_plan,
+)
 from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
@@ -42,6 +51,8 @@ from coordinator.service.launchers import (
     member_command,
 )
 from coordinator.service.model import Member
+
+log = logging.getLogger(__name__)
 
 START_TOLERANCE = 0.05  # seconds: psutil's create_time counts clock ticks (10 ms)
 MAX_ATTEMPT = 999
@@ -59,19 +70,38 @@ class LocalLauncher:
         workdir: Path | None = None,
         extra_env: dict[str, str] | None = None,
         gpus: tuple[int, ...] = (),
+        run_as: range | None = None,
+        pids_limit: int | None = None,
     ) -> None:
         """`die_with_parent`: members are killed when the thread that started them ends
         (an agent's members die with it); the service's members outlive it instead.
         `workdir`: where members run [ours] (an agent's data dir: relative paths stay in it).
         `extra_env`: set for every member (an agent's working-dir roots).
         `gpus`: the GPU ids members of jobs with `gpus_per_worker` get (`serve --gpus`);
-        which a member holds is in its pidfile, so a restarted service knows them too."""
+        which a member holds is in its pidfile, so a restarted service knows them too.
+        `run_as`: the uids programs run under, one per job (`coordinator.jobs.run_as`);
+        which a job holds is in its members' pidfiles, as GPUs are.
+        `pids_limit`: each member's processes and threads, in a pids cgroup of its own
+        (None: unbounded, as `coordinator run`'s test helpers start them)."""
         self.logs = logs
         self.extra_env = dict(extra_env or {})
         self.die_with_parent = die_with_parent
         self.workdir = workdir
         self.gpus = gpus
+        self.run_as = run_as
+        self._last_uid: int | None = None  # the uid given last: the next job takes the next
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> our own child
+        self.cgroups: MemberCgroups | None = None
+        self.program_nproc: int | None = None  # RLIMIT_NPROC of programs under run_as uids
+        if pids_limit is not None:
+            plan = local_plan(pids_limit, dedicated_uid=run_as is not None)
+            if isinstance(plan, ProcessLimit):
+                self.program_nproc = plan.limit
+            elif isinstance(plan, InCgroup):
+                self.cgroups = MemberCgroups(plan, logs)
+                self.cgroups.sweep()  # what ended while no launcher watched
+            elif isinstance(plan, Unbounded):
+                log.warning("%s", plan.why)
 
     def folder(self, run_id: str, attempt: int) -> Path:
         """Where attempt `attempt` of `run_id` keeps its members' output and pidfiles; a run
@@ -86,7 +116,21 @@ class LocalLauncher:
         wanted = launch.spec.gpus_per_worker * launch.spec.workers
         if wanted and len(self.free_gpus()) < wanted:
             return None
+        if self.run_as and pick_uid(self.run_as, self.held_uids(), launch.run_id) is None:
+            return None
         return NOTHING
+
+    def held_uids(self) -> dict[str, int]:
+        """run id -> the uid its running members' programs run under (their pidfiles)."""
+        held: dict[str, int] = {}
+        for pidfile in self.logs.glob("*/attempt-*/member-*.pid"):
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                written = json.loads(pidfile.read_text())
+                member = Member(index=0, pid=written["pid"], started=written["started"])
+                uid = written.get("uid")
+                if isinstance(uid, int) and self._running(member):
+                    held[pidfile.parent.parent.name] = uid
+        return held
 
     def free_gpus(self) -> list[int]:
         """The GPUs of `self.gpus` no running member holds (as its pidfile says)."""
@@ -136,6 +180,23 @@ class LocalLauncher:
         if credentials is not None:  # the job's etcd user, for this member only
             write_password_file(password_file, credentials.password)
         command = member_command(command, credentials, password_file)
+        extra_env = {"COORDINATOR_PORT": "0", **self.extra_env}
+        uid = None
+        if self.run_as:  # the job's uid on this host: its members share it, no other job has it
+            uid = pick_uid(self.run_as, self.held_uids(), run_id, self._last_uid)
+            if uid is None:
+                raise RuntimeError(f"member {index}: every uid of {self.run_as} is taken")
+            self._last_uid = uid
+            extra_env[RUN_AS_ENV] = str(uid)
+            if self.program_nproc is not None:  # no cgroup here: the uid's own limit
+                extra_env[NPROC_ENV] = str(self.program_nproc)
+        cgroup = None
+        if self.cgroups is not None:
+            self.cgroups.retry()
+            try:
+                cgroup = self.cgroups.create(cgroup_name(run_id, attempt, index))
+            except OSError as exc:
+                raise RuntimeError(f"member {index}: cannot make its pids cgroup: {exc}") from None
         with open(log, "ab") as output:
             process = start_process(
                 command,
@@ -145,17 +206,33 @@ class LocalLauncher:
                 die_with_parent=self.die_with_parent,
                 cwd=self.workdir,
                 # Port 0: members on one host must not share the image's fixed port.
-                extra_env={"COORDINATOR_PORT": "0", **self.extra_env},
+                extra_env=extra_env,
+                cgroup=cgroup,
             )
         self._children[process.pid] = process
         identity = {"pid": process.pid, "started": _start_time(process.pid)}
-        write_private(pidfile, json.dumps({**identity, "gpus": list(command.gpus)}))
+        write_private(pidfile, json.dumps({**identity, "gpus": list(command.gpus), "uid": uid}))
         return Member(index=index, log=str(log), **identity)
 
     def exit_code(self, member: Member) -> int | None:
         """None while the member runs; then its exit status if it was our child, else the
         code its last event gave (`VANISHED` when none did). A member this launcher cannot
-        vouch for (see `_vouched`) is never taken for running: it reads as ended."""
+        vouch for (see `_vouched`) is never taken for running: it reads as ended. Once it
+        has ended, its password file is deleted: nothing may read it after the member."""
+        if self.cgroups is not None:
+            self.cgroups.retry()  # an ended member's cgroup that a leaving process held
+        code = self._exit_code(member)
+        if code is not None:
+            self._forget_password(member)
+        return code
+
+    def _forget_password(self, member: Member) -> None:
+        files = self._files(member)
+        if files is not None:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                self._within(files.log.with_suffix(".password")).unlink()
+
+    def _exit_code(self, member: Member) -> int | None:
         if member.pid is not None and self._vouched(member):
             child = self._children.get(member.pid)
             if child is not None:
@@ -163,9 +240,11 @@ class LocalLauncher:
                 if code is None:
                     return None
                 del self._children[member.pid]
+                self._release(member)
                 return 128 - code if code < 0 else code  # killed by signal n: 128 + n
             if self._running(member):
                 return None
+            self._release(member)  # the member it vouches for has ended
         return _last_word(self.output(member, 0))
 
     def terminate(self, member: Member) -> None:
@@ -194,7 +273,21 @@ class LocalLauncher:
         folder = self._within(self.logs / run_id)
         logs = len(list(folder.glob("*/member-*.log")))
         shutil.rmtree(folder, ignore_errors=True)
+        if self.cgroups is not None:
+            self.cgroups.release_run(run_id)
         return logs
+
+    def _release(self, member: Member) -> None:
+        """Remove the ended member's cgroup (killing what it left running), if it is ours."""
+        files = self._files(member) if self.cgroups is not None else None
+        if self.cgroups is None or files is None:
+            return
+        run_id, attempt = files.log.parent.parent.name, files.log.parent.name
+        try:
+            if not self.cgroups.release(f"{run_id}.{attempt}.{member.index}"):
+                log.info("member %s of %s: its cgroup still holds processes", member.index, run_id)
+        except OSError as exc:
+            log.warning("member %s of %s: cannot remove its cgroup: %s", member.index, run_id, exc)
 
     # -- which process is the member's --------------------------------------------------
 
@@ -268,6 +361,11 @@ class MemberFiles(NamedTuple):
     pidfile: Path
 
 
+def cgroup_name(run_id: str, attempt: int, index: int) -> str:
+    """The member's cgroup's name: its folder's parts, which `folder` has checked."""
+    return f"{run_id}.attempt-{attempt}.{index}"
+
+
 def same_identity(member: Member, written: Any) -> bool:
     """`written` (a pidfile's content) names the member's pid and start time."""
     return (
@@ -291,7 +389,7 @@ def _start_time(pid: int) -> float | None:
 
 def _last_word(output: bytes) -> int:
     """The exit code a member's last event gave (`failed` carries it; `done` is 0)."""
-    for line in reversed(output.splitlines()):
+    for line in reversed(split_lines(output)):
         event = parse_event(line)
         if isinstance(event, Failed):
             return event.exit_code

@@ -21,10 +21,11 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, Delete, Empty, KeyValue, Put, ValueIs, When
 from coordinator.keys import Keys, member_name, new_placement, placements_of
-from coordinator.service.agent_protocol import PLACEMENT_PATTERN
+from coordinator.service.agent_protocol import PLACEMENT_PATTERN, signed_assignment
 from coordinator.service.chunks import Write, chunk_guards, chunks
 from coordinator.service.launchers import Launch, Reservation
 from coordinator.service.model import Member
+from coordinator.signing import Signer
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,19 @@ PLACEMENT_GRACE = 30.0
 
 class PlacementsAhead:
     def __init__(
-        self, etcd: Etcd, max_txn_ops: int, max_txn_bytes: int, placement_grace: float
+        self,
+        etcd: Etcd,
+        signer: Signer,
+        max_txn_ops: int,
+        max_txn_bytes: int,
+        placement_grace: float,
     ) -> None:
         """Placements written in transactions of at most `max_txn_ops` operations and
         `max_txn_bytes` bytes; swept once uncommitted for `placement_grace` seconds."""
         if not placement_grace > 0:
             raise ValueError("placement_grace must be a positive number of seconds")
         self.etcd = etcd
+        self.signer = signer  # signs each assignment (with its placement)
         self.keys = Keys(etcd.namespace)
         self.max_txn_ops = max_txn_ops
         self.max_txn_bytes = max_txn_bytes
@@ -66,7 +73,7 @@ class PlacementsAhead:
         writes = []
         for index, ((agent_id, _), assignment) in enumerate(zip(placed, assignments, strict=True)):
             name = member_name(launch.run_id, launch.attempt, index)
-            value = json.dumps({**assignment, "placement": placement}).encode()
+            value = signed_assignment(self.signer, agent_id, {**assignment, "placement": placement})
             writes.append(Write(agent_id, self.keys.assignment(agent_id, name), value))
         agents = {agent_id for agent_id, _ in placed}
         registered = {

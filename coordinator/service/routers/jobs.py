@@ -16,8 +16,10 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel
 
+from coordinator.field_error import FieldError
 from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import KINDS, KindInfo
+from coordinator.jobs.threads import check_thread_caps
 from coordinator.service.admission import (
     Refused,
     admit_command,
@@ -202,6 +204,10 @@ def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
         raise invalid(exc.field.split("."), str(exc)) from None
     if params != spec.params:
         spec = spec.model_copy(update={"params": params})
+    try:
+        check_thread_caps(spec.kind, KINDS[spec.kind].params, spec.params, context.max_threads)
+    except FieldError as exc:
+        raise invalid(exc.field.split("."), str(exc)) from None
     try:
         check_kind(spec.kind, spec.params, spec.workers)
     except ValueError as exc:

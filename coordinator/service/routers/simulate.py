@@ -9,46 +9,16 @@ endpoints need.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Request, Response
-from pydantic import BaseModel, Field
 
 from coordinator.service import simulation
 from coordinator.service.boundary import GONE_KEY
 from coordinator.service.context import API, Context, invalid, invalid_fields, submitter
+from coordinator.service.model import Simulation, SimulationRequest
 from coordinator.simulator.spec import parse_barriers
 
 router = APIRouter()
-
-
-class SimulationRequest(BaseModel):
-    """A simulator run: its size is priced before it starts (see `simulation`)."""
-
-    barrier: Annotated[str, Field(max_length=200, description="methods, e.g. bsp,ssp:2,asp")] = (
-        "bsp,ssp:2,asp"
-    )
-    workers: Annotated[int, Field(ge=1, le=10_000)] = 100
-    seconds: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 100.0
-    delay: Annotated[
-        str,
-        Field(
-            max_length=200,
-            description="exp:SHIFT,MEAN | gamma:SHAPE,SCALE | straggler:FRACTION,FACTOR[,BASE]"
-            " (no trace: that reads a server file; `coordinator simulate` takes it)",
-        ),
-    ] = "exp:1,1"
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
-
-
-class SimulatedMethod(BaseModel):
-    label: str
-    summary: dict[str, float | int | str]
-    final_steps: list[int]  # sorted: the CDF's x values
-
-
-class Simulation(BaseModel):
-    methods: list[SimulatedMethod]
 
 
 @router.post(
@@ -58,6 +28,7 @@ class Simulation(BaseModel):
         400: {"description": "the body is not JSON"},
         422: {},
         429: {"description": "the simulator is busy: try again later"},
+        503: {"description": "the service is stopping"},
         504: {"description": "the simulation took too long"},
     },
 )
@@ -83,6 +54,8 @@ async def simulate(request: SimulationRequest, http: Request, context: Context) 
         raise HTTPException(429, str(exc), {"Retry-After": "5"}) from None
     except simulation.TimedOut as exc:
         raise HTTPException(504, str(exc)) from None
+    except simulation.Stopping as exc:
+        raise HTTPException(503, str(exc), {"Retry-After": "5"}) from None
     except simulation.Abandoned:
         return Response(status_code=499)  # type: ignore[return-value]  # nobody reads it
     except ValueError as exc:

@@ -16,6 +16,8 @@ from sse_starlette.sse import EventSourceResponse
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.watch import WatchEvent
+from coordinator.events import member_own_line, neutralise, split_lines
+from coordinator.jobs import COMMAND
 from coordinator.service.context import API, Context, reader, stored_or_404
 from coordinator.service.launchers import WorkerLauncher
 from coordinator.service.model import JobRecord, Member
@@ -51,7 +53,7 @@ async def events(
     current = await asyncio.to_thread(stored_or_404, context.store, job_id)
     return EventSourceResponse(
         _record_changes(context.etcd, context.store, job_id, current, last_event_id),
-        ping=15,
+        ping=context.events_ping,
     )
 
 
@@ -62,16 +64,20 @@ async def logs(
     rank: Annotated[int | None, Query(ge=0)] = None,
     tail: Annotated[int | None, Query(ge=0)] = None,
     follow: bool = False,
+    events: bool = False,
 ) -> StreamingResponse:
     """The members' output (stdout and stderr) of the latest attempt, each line prefixed
-    with its member's rank; `follow` streams until every member has ended."""
+    with its member's rank; `follow` streams until every member has ended. A `command`
+    job's shows its programs' lines, and the members' own events (JSON lines) too with
+    `events`; other kinds' members are the program, and show everything."""
     record = (await asyncio.to_thread(stored_or_404, context.store, job_id)).record
     members = _chosen(record, rank)
     launcher = context.launchers.get(record.spec.launcher)
     if launcher is None:
         raise HTTPException(409, f"job {job_id!r} ran on {record.spec.launcher}, not here")
+    everything = events or record.spec.kind != COMMAND
     return StreamingResponse(
-        _log_lines(context.store, launcher, record, members, tail, follow),
+        _log_lines(context.store, launcher, record, members, tail, follow, everything),
         media_type="text/plain; charset=utf-8",
     )
 
@@ -102,7 +108,7 @@ async def _record_changes(
                 if change.kind == "delete":
                     yield {"event": "deleted", "id": str(change.revision), "data": job_id}
                     return
-                record = JobRecord.model_validate_json(change.value)
+                record = store.parse(job_id, change.value)
                 yield _event(record, change.revision)
                 if record.state.terminal:
                     return
@@ -132,6 +138,7 @@ async def _log_lines(
     members: list[Member],
     tail: int | None,
     follow: bool,
+    events: bool,
 ) -> AsyncIterator[str]:
     offsets = {m.index: 0 for m in members}
 
@@ -144,8 +151,11 @@ async def _log_lines(
             chunk = launcher.output(member, offsets[member.index])
             whole = chunk[: chunk.rfind(b"\n") + 1]
             offsets[member.index] += len(whole)
-            text = whole.decode(errors="replace")
-            lines += [label(member) + line + "\n" for line in text.splitlines()]
+            # Split as every reader splits; a member's own line keeps no hidden line end.
+            text = [neutralise(line.decode(errors="replace")) for line in split_lines(whole)]
+            if not events:
+                text = [line for line in text if not member_own_line(line)]
+            lines += [label(member) + line + "\n" for line in text]
         return lines
 
     first = await asyncio.to_thread(read)

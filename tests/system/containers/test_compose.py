@@ -48,7 +48,8 @@ from tests.support.containers import (
 )
 from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.containers
+# Real containers, and the images they need built: with the slow tests (the budget).
+pytestmark = [pytest.mark.containers, pytest.mark.slow]
 
 TTL = 2
 
@@ -423,7 +424,7 @@ def test_compose_product_with_tls_and_auth_runs_a_job_and_refuses_others_in_etcd
     with least privilege, no secret is in any container's environment or argv, and
     `down -v` leaves nothing of the project."""
     client_certs = variant == "client-certs"
-    secrets = init_secrets(tmp_path / "secrets", agents=len(AGENT_IDS))
+    secrets = init_secrets(tmp_path / "secrets", agents=len(AGENT_IDS), exec_token=True)
     port, etcd_port = _free_loopback_port(), _free_loopback_port()
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -541,6 +542,19 @@ def test_compose_product_with_tls_and_auth_runs_a_job_and_refuses_others_in_etcd
     assert model.exists() and model.stat().st_size > 0
     xgboost.Booster(model_file=str(model))  # a model xgboost reads back
 
+    # The operator asked for an exec token (EXEC_TOKEN=1): your own program runs on the
+    # agents through the service with it.
+    hello = "import os; print('hello from rank', os.environ['RANK'])"
+    program = subprocess.run(
+        [sys.executable, "-m", "coordinator", "submit", "--workers", "2", "--id", f"{job}-prog",
+         "--server", url, "--token", _token(secrets, "exec"), "--wait", "--",
+         "python3", "-c", hello],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "NO_COLOR": "1"},
+    )  # fmt: skip
+    assert program.returncode == 0, f"{program.stderr[-2000:]}\n{diagnostics()}"
+    said = httpx.get(f"{url}/v1/jobs/{job}-prog/logs", headers=headers, timeout=30).text
+    assert "[rank 1] hello from rank 1" in said, said[-2000:]
+
     # The job's etcd user is gone with the job (root sees the users).
     with etcd.root() as root:
         wait_until(
@@ -565,7 +579,8 @@ def test_the_plain_opt_out_is_a_valid_compose_file_with_an_etcd_without_tls(
 ) -> None:
     """compose.plain.yaml (the explicit opt-out) parses; its etcd is plain, the default's
     is TLS only."""
-    plain = compose("ectestcfg", "config", env={"TOKEN_FILE": "/dev/null"}, file=PLAIN_COMPOSE_FILE)
+    files = {"TOKEN_FILE": "/dev/null", "SIGNING_KEY": "/dev/null", "SERVICE_KEY": "/dev/null"}
+    plain = compose("ectestcfg", "config", env=files, file=PLAIN_COMPOSE_FILE)
     assert plain.returncode == 0, plain.stderr
     assert "--listen-client-urls=http://0.0.0.0:2379" in plain.stdout
     assert "https://" not in plain.stdout

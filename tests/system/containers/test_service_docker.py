@@ -47,7 +47,8 @@ from tests.support.containers import (
 from tests.support.service import ServiceProc, wait_state
 from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.containers
+# Real containers, and the images they need built: with the slow tests (the budget).
+pytestmark = [pytest.mark.containers, pytest.mark.slow]
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
