@@ -114,7 +114,10 @@ def test_the_client_example_runs_against_a_real_service(quiet_service: ServicePr
         [sys.executable, str(REPO / "examples" / "client.py")],
         capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    # A failure shows the service's side too: its log and its jobs as they ended up.
+    listed = quiet_service.http.get("/v1/jobs").json()["jobs"]
+    jobs = [(job["id"], job["state"], job["conditions"][-1]["reason"]) for job in listed]
+    assert done.returncode == 0, f"{done.stderr[-3000:]}\njobs: {jobs}\n{quiet_service.output()}"
     assert "SUCCEEDED - every member exited 0" in done.stdout
     assert "[rank 0] " in done.stdout  # its log lines
     assert "refused: {'params'" in done.stdout
