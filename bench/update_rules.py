@@ -9,6 +9,7 @@ transfers); a run stops at its first evaluation at the target, or after its epoc
     python bench/update_rules.py                   # defaults vs plain, digits (27 min)
     python bench/update_rules.py --part rules      # every rule for every method (~40 min)
     python bench/update_rules.py --part fashion    # Fashion-MNIST, P=16 and 64 (~3 h)
+    python bench/update_rules.py --part lr --settings 2   # the lr at P=16 (~17 min)
 
 Parts:
 - defaults: digits, P = 4 (3 epochs, target 0.9) and P = 16 (4 epochs, target 0.85), with
@@ -18,6 +19,7 @@ Parts:
 - rules: the same digits settings with the straggler, every rule for every method.
 - fashion: the 60,000 Fashion-MNIST images (/usr/share/datasets/fashion-mnist), P = 16
   and 64, 2 epochs, target 0.8, defaults.
+- lr: the digits settings, every method at its default rule, under each lr of `LRS`.
 
 Prints each table and writes it as markdown and CSV under --out (default
 docs/methods/update_rules/).
@@ -47,6 +49,8 @@ from coordinator.simulator.train_report import mean_interval  # noqa: E402
 console = Console(width=170)
 METHODS = ["bsp", "ssp:3", "asp", "pbsp:2", "pssp:3:2", "dssp:3:12", "bsp-agg"]
 RULES = ["plain", "scaled", "async", "staleness", "dc"]
+LRS = [0.01, 0.015, 0.02, 0.03, 0.04]
+DEFAULT_LR = 0.02
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
@@ -81,15 +85,18 @@ def _data(path: str, workers: int, test_rows: int):  # type: ignore[no-untyped-d
     return TrainingData.load(parse_mnist(path, field="data"), workers, test_rows)
 
 
-def _run(job: tuple[Setting, str, str | None, int]) -> dict:
-    """One simulated run: (setting, method, rule or None for the default, seed)."""
+Job = tuple[Setting, str, str | None, float, int]
+
+
+def _run(job: Job) -> dict:
+    """One simulated run: (setting, method, rule or None for the default, lr, seed)."""
     from coordinator.ps.optim import OptimizerSpec
     from coordinator.ps.rules import UpdateRule
     from coordinator.simulator import training
     from coordinator.simulator.delays import parse_delay
     from coordinator.simulator.spec import parse_barriers
 
-    setting, method, rule, seed = job
+    setting, method, rule, lr, seed = job
     aggregate = method == "bsp-agg"
     spec = BarrierSpec(Method.BSP) if aggregate else parse_barriers(method)[0]
     data = _data(setting.data, setting.workers, setting.test_rows)
@@ -98,14 +105,15 @@ def _run(job: tuple[Setting, str, str | None, int]) -> dict:
     started = time.monotonic()
     run = training.train(
         spec, data, epochs=setting.epochs, delay=delay, seed=seed,
-        optimizer=OptimizerSpec("sgd", 0.02, 0.9, decay=0.7, decay_every=every),
+        optimizer=OptimizerSpec("sgd", lr, 0.9, decay=0.7, decay_every=every),
         rule=None if rule is None else UpdateRule(rule), aggregate=aggregate,
         eval_seconds=training.default_eval_seconds(delay, data, 32, setting.epochs, None) / 2,
         stop_accuracy=setting.target,
     )  # fmt: skip
     grads = sum(run.staleness.values())
     return {
-        "setting": setting.name, "method": method, "rule": rule or "default", "seed": seed,
+        "setting": setting.name, "method": method, "seed": seed,
+        "rule": (rule or "default") + ("" if lr == DEFAULT_LR else f", lr {lr:g}"),
         "reached": run.time_to(setting.target), "last": run.evaluations[-1].accuracy,
         "best": max(e.accuracy for e in run.evaluations),
         "staleness": sum(k * v for k, v in run.staleness.items()) / grads if grads else 0.0,
@@ -113,7 +121,7 @@ def _run(job: tuple[Setting, str, str | None, int]) -> dict:
     }  # fmt: skip
 
 
-def run_all(jobs: list[tuple[Setting, str, str | None, int]], processes: int) -> list[dict]:
+def run_all(jobs: list[Job], processes: int) -> list[dict]:
     if processes == 1:
         return [_run(job) for job in jobs]
     with ProcessPoolExecutor(processes) as pool:
@@ -181,7 +189,9 @@ def speed_ratio(results: list[dict], setting: Setting) -> str:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["defaults", "rules", "fashion"], default="defaults")
+    parser.add_argument(
+        "--part", choices=["defaults", "rules", "fashion", "lr"], default="defaults"
+    )
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--jobs", type=int, default=2, help="processes")
     parser.add_argument("--settings", default="", help="comma-separated setting numbers (1-4)")
@@ -197,8 +207,9 @@ def main(argv: list[str]) -> None:
     rules: list[str | None] = [None, "plain"] if args.part == "defaults" else [None]
     if args.part == "rules":
         rules = list(RULES)
-    jobs = [(s, m, r, seed) for s in settings for m in methods for r in rules
-            for seed in range(args.seeds)]  # fmt: skip
+    lrs = LRS if args.part == "lr" else [DEFAULT_LR]
+    jobs = [(s, m, r, lr, seed) for s in settings for m in methods for r in rules
+            for lr in lrs for seed in range(args.seeds)]  # fmt: skip
     started = time.monotonic()
     results = run_all(jobs, args.jobs)
     for setting in settings:
