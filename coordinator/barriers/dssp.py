@@ -15,6 +15,7 @@ S_L. Hence the gap never exceeds S_U + 1.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -25,6 +26,17 @@ class Pushes:
     clock: int
     last_push: float
     interval: float  # mean of its recent step intervals (seconds)
+
+
+def slowest_of(workers: Mapping[int, Pushes]) -> int:
+    """The worker DSSP predicts from: the lowest clock; among several there, the one whose
+    next push is predicted latest (last push + interval), since the others wait for it;
+    the lowest rank on a tie. Live workers and the simulator both choose by this rule."""
+    return min(workers, key=lambda r: (workers[r].clock, -_next_push(workers[r]), r))
+
+
+def _next_push(worker: Pushes) -> float:
+    return worker.last_push + worker.interval
 
 
 def extra_steps(fastest: Pushes, slowest: Pushes, now: float, s_low: int, s_high: int) -> int:
@@ -38,7 +50,7 @@ def extra_steps(fastest: Pushes, slowest: Pushes, now: float, s_low: int, s_high
     room = s_high - s_low
     if room <= 0 or fastest.interval <= 0:
         return 0
-    slowest_next = slowest.last_push + slowest.interval
+    slowest_next = _next_push(slowest)
     if slowest_next <= now:
         return 0
     # min before int(): a tiny interval makes the quotient inf, which int() rejects

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 Kind = Literal["synthetic", "builtin", "csv", "parquet", "libsvm"]
 
@@ -56,6 +57,7 @@ def is_shape_only() -> bool:
 
 def _breast_cancer() -> tuple[np.ndarray, np.ndarray]:
     # Imported here: scikit-learn is slow to import and only this builtin needs it.
+    import numpy as np
     from sklearn.datasets import load_breast_cancer
 
     X, y = load_breast_cancer(return_X_y=True)

@@ -56,6 +56,11 @@ PING_TIMEOUT = 5.0
 #: call that took it just before must still find it open, since gRPC kills the process
 #: (SIGSEGV) when a call starts through an authenticating channel that is closed.
 RETIRE_SECONDS = 10.0
+#: How long closing waits for the watch stream's thread to end. It ends as soon as it is
+#: scheduled; but a process whose interpreter shuts down while that thread still reads
+#: the cancelled stream can hang for ever in gRPC's `__del__` (the frozen thread holds the
+#: call's lock). 0.25 s was too little on a loaded machine: a program never exited.
+CLOSE_JOIN_SECONDS = 5.0
 
 #: The shortest attempt of a request whose retry window is nearly over.
 MIN_ATTEMPT = 0.1
@@ -385,7 +390,7 @@ class Connection:
             self._channel, self._stubs = None, None
         if stubs is not None:
             stubs[2].close()
-            stubs[2].join(0.25)  # (its stream ends at once: a process may exit cleanly)
+            stubs[2].join(CLOSE_JOIN_SECONDS)
         if channel is not None:
             _retire(channel)
 

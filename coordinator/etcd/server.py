@@ -31,11 +31,14 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from coordinator.die_with_parent import die_with_parent
-from coordinator.etcd.local_pki import LocalPki
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.users import ROOT, new_password, write_password_file
+
+if TYPE_CHECKING:
+    from coordinator.etcd.local_pki import LocalPki
 
 #: The raft peers' endpoint: a unix socket named `peer:1`, relative to etcd's working
 #: directory (the data dir, 0700). etcd wants a port in the URL, hence the `:1`.
@@ -120,7 +123,13 @@ class EmbeddedEtcd:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="coordinator-etcd-")).absolute()
         self.client_port = client_port or free_port()
         # With auth, certificates of its own: only their owner reaches the client port.
-        self.pki = LocalPki(self.data_dir / "tls") if auth and tls is None else None
+        self.pki: LocalPki | None = None
+        if auth and tls is None:
+            # Imported here: cryptography's x509 costs every process that imports this
+            # module (each member does, through the CLI) a quarter of a second.
+            from coordinator.etcd.local_pki import LocalPki
+
+            self.pki = LocalPki(self.data_dir / "tls")
         if self.pki is not None:
             tls = ServerTls(self.pki.server_cert, self.pki.server_key, self.pki.ca)
         # With TLS, health is asked on a plain metrics port (the client port wants a

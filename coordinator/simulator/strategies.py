@@ -323,7 +323,8 @@ def _bucketed(spec: BarrierSpec, workers: Workers, durations: list[deque[float]]
         return dssp.Pushes(clock[v], last_push[v], interval)
 
     def slowest(low: int) -> dssp.Pushes:
-        """Among clock `low`, the latest predicted push; the lowest id on a tie (as max())."""
+        """`dssp.slowest_of` the workers at clock `low`, from the heap: its order, (latest
+        predicted push, lowest id), is that rule's among workers of one clock."""
         heap = arrived[low]
         while clock[heap[0][1]] != low:
             heappop(heap)

@@ -65,7 +65,7 @@ CHECKS = [
     checks.content_type_conformance,
     checks.response_schema_conformance,
 ]
-MIN_CASES = 1000
+MIN_CASES = 500
 FUZZ_IDS = [f"fuzz-{n}" for n in range(6)]  # the pool the valid submits take ids from
 REQUEST_TIMEOUT = 30.0  # a safety net only: no request here is expected to wait
 LABEL_KEYS = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,12}", fullmatch=True)
@@ -224,30 +224,30 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
             random_data(name, 20, 0)
         # No negative data where every parameter is text of any kind (the path's job_id, the
         # Authorization header): the schema forbids nothing there (hypothesis: Unsatisfiable).
-        random_data("GET /metrics", 30, 0)
-        random_data("POST /v1/jobs", 200, 150)
+        random_data("GET /metrics", 15, 0)
+        random_data("POST /v1/jobs", 100, 75)
         submit = ops["POST /v1/jobs"]
         fuzz.run(
             "POST /v1/jobs valid",
             valid_submits().flatmap(lambda body: submit.as_strategy(positive, body=body)),
-            80,
+            40,
         )
-        random_data("GET /v1/jobs", 200, 100)
-        random_data("GET /v1/jobs/{job_id}", 100, 0)
-        with_ids("GET /v1/jobs/{job_id}", known, 60)
+        random_data("GET /v1/jobs", 100, 50)
+        random_data("GET /v1/jobs/{job_id}", 50, 0)
+        with_ids("GET /v1/jobs/{job_id}", known, 30)
         # The streams: unknown ids (404) and finished jobs only (see the module's docstring).
-        random_data("GET /v1/jobs/{job_id}/events", 60, 40)
-        with_ids("GET /v1/jobs/{job_id}/events", finished, 80)
-        random_data("GET /v1/jobs/{job_id}/logs", 60, 40)
-        with_ids("GET /v1/jobs/{job_id}/logs", finished, 80)
+        random_data("GET /v1/jobs/{job_id}/events", 30, 20)
+        with_ids("GET /v1/jobs/{job_id}/events", finished, 40)
+        random_data("GET /v1/jobs/{job_id}/logs", 30, 20)
+        with_ids("GET /v1/jobs/{job_id}/logs", finished, 40)
         # The dashboard's own endpoints (`/live` streams end at once for a final job).
-        random_data("GET /v1/whoami", 20, 0)
-        random_data("GET /v1/kinds", 10, 0)
-        random_data("GET /v1/jobs/{job_id}/series", 30, 0)
-        with_ids("GET /v1/jobs/{job_id}/series", finished, 30)
-        random_data("GET /v1/jobs/{job_id}/live", 30, 0)
-        with_ids("GET /v1/jobs/{job_id}/live", finished, 30)
-        random_data("POST /v1/simulate", 15, 30)
+        random_data("GET /v1/whoami", 10, 0)
+        random_data("GET /v1/kinds", 5, 0)
+        random_data("GET /v1/jobs/{job_id}/series", 15, 0)
+        with_ids("GET /v1/jobs/{job_id}/series", finished, 15)
+        random_data("GET /v1/jobs/{job_id}/live", 15, 0)
+        with_ids("GET /v1/jobs/{job_id}/live", finished, 15)
+        random_data("POST /v1/simulate", 7, 15)
         # Explicit cases: the hostile values of tests/support/hostile.py, as raw JSON text
         # (1e999 and a lone `\ud800` have no Python value that serializes back to them).
         for hostile in job_cases():
@@ -261,10 +261,10 @@ def test_the_service_answers_every_generated_request_as_its_schema_says(
                 body["command"] = ["/bin/true"]
             case = submit.Case(body=body, media_type="application/json")
             hostile_answers.append(fuzz.call("hostile params", case))
-        random_data("POST /v1/jobs/{job_id}/cancel", 80, 0)
-        with_ids("POST /v1/jobs/{job_id}/cancel", known, 50)
-        random_data("DELETE /v1/jobs/{job_id}", 80, 0)
-        with_ids("DELETE /v1/jobs/{job_id}", known, 40)
+        random_data("POST /v1/jobs/{job_id}/cancel", 40, 0)
+        with_ids("POST /v1/jobs/{job_id}/cancel", known, 25)
+        random_data("DELETE /v1/jobs/{job_id}", 40, 0)
+        with_ids("DELETE /v1/jobs/{job_id}", known, 20)
     finally:
         fuzz.session.close()
         records = finish_every_job(service)

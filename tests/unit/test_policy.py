@@ -118,3 +118,10 @@ def test_extra_steps_with_a_tiny_interval_is_capped_not_overflowing():
     fastest = dssp.Pushes(clock=3, last_push=0.0, interval=5e-324)
     slowest = dssp.Pushes(clock=0, last_push=0.0, interval=1.0)
     assert dssp.extra_steps(fastest, slowest, now=0.0, s_low=0, s_high=2) == 2
+
+
+def test_dssp_predicts_from_the_slowest_clock_that_will_push_last() -> None:
+    at_3_soon, at_3_late = dssp.Pushes(3, 10.0, 1.0), dssp.Pushes(3, 10.0, 4.0)
+    ahead = dssp.Pushes(5, 0.0, 0.1)
+    assert dssp.slowest_of({0: at_3_soon, 1: at_3_late, 2: ahead}) == 1
+    assert dssp.slowest_of({4: at_3_soon, 2: at_3_soon, 0: ahead}) == 2  # a tie: lowest rank

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps
+from coordinator.barriers.dssp import Credit, Pushes, decide, extra_steps, slowest_of
 from coordinator.barriers.live.base import LiveBarrier
 from coordinator.barriers.live.records import Clock, Passage
 from coordinator.barriers.policy import Method
@@ -70,15 +70,14 @@ class FullViewBarrier(LiveBarrier, methods=(Method.DSSP,)):
         observed = {r: c.clock for r, c in others.items()}
         if not others:
             return observed
-        slow_rank = min(others, key=lambda r: (others[r].clock, r))
-        slowest = others[slow_rank]
+        pushes = {r: Pushes(c.clock, c.t, c.interval) for r, c in others.items()}
+        slowest = pushes[slowest_of(pushes)]
         is_fastest = self.clock >= max(c.clock for c in others.values())
         grant = 0
         s_low, s_high = self.spec.staleness, self.spec.staleness_upper
         if is_fastest and self.clock - slowest.clock > s_low:
             me = Pushes(self.clock, self._last_push, self._mean_interval())
-            them = Pushes(slowest.clock, slowest.t, slowest.interval)
-            grant = extra_steps(me, them, time.time(), s_low, s_high)
+            grant = extra_steps(me, slowest, time.time(), s_low, s_high)
         passed = decide(self.clock, slowest.clock, is_fastest, self._credit, grant, s_low)
         return observed if passed else None
 
