@@ -10,6 +10,7 @@ transfers); a run stops at its first evaluation at the target, or after its epoc
     python bench/update_rules.py --part rules      # every rule for every method (~40 min)
     python bench/update_rules.py --part fashion    # Fashion-MNIST, P=16 and 64 (~3 h)
     python bench/update_rules.py --part lr --settings 2   # the lr at P=16 (~17 min)
+    python bench/update_rules.py --part fashion --settings 2 --seeds 3 --batch 8
 
 Parts:
 - defaults: digits, P = 4 (3 epochs, target 0.9) and P = 16 (4 epochs, target 0.85), with
@@ -20,6 +21,9 @@ Parts:
 - fashion: the 60,000 Fashion-MNIST images (/usr/share/datasets/fashion-mnist), P = 16
   and 64, 2 epochs, target 0.8, defaults.
 - lr: the digits settings, every method at its default rule, under each lr of `LRS`.
+
+`--batch` sets every trainer's batch (32 by default): at P = 64 a round of 64 x 32
+samples moves about as far as one trainer's step, so 2 epochs are too few rounds.
 
 Prints each table and writes it as markdown and CSV under --out (default
 docs/methods/update_rules/).
@@ -33,7 +37,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,6 +67,7 @@ class Setting:
     epochs: float
     target: float
     test_rows: int
+    batch: int = 32
 
 
 DIGITS = [
@@ -101,13 +106,15 @@ def _run(job: Job) -> dict:
     spec = BarrierSpec(Method.BSP) if aggregate else parse_barriers(method)[0]
     data = _data(setting.data, setting.workers, setting.test_rows)
     delay = parse_delay(setting.delay)
-    every = training.updates_per_epoch(data, 32, aggregate)
+    every = training.updates_per_epoch(data, setting.batch, aggregate)
     started = time.monotonic()
     run = training.train(
         spec, data, epochs=setting.epochs, delay=delay, seed=seed,
         optimizer=OptimizerSpec("sgd", lr, 0.9, decay=0.7, decay_every=every),
         rule=None if rule is None else UpdateRule(rule), aggregate=aggregate,
-        eval_seconds=training.default_eval_seconds(delay, data, 32, setting.epochs, None) / 2,
+        batch_size=setting.batch,
+        eval_seconds=training.default_eval_seconds(
+            delay, data, setting.batch, setting.epochs, None) / 2,
         stop_accuracy=setting.target,
     )  # fmt: skip
     grads = sum(run.staleness.values())
@@ -152,6 +159,8 @@ def table(results: list[dict], setting: Setting, out: Path, tag: str) -> list[li
             f"{statistics.fmean(r['staleness'] for r in runs):.2f}",
         ])  # fmt: skip
     title = f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs"
+    if setting.batch != 32:
+        title += f", batch {setting.batch}"
     shown = Table(title=title)
     for column in header:
         shown.add_column(column, justify="left" if column in ("method", "rule") else "right")
@@ -159,7 +168,8 @@ def table(results: list[dict], setting: Setting, out: Path, tag: str) -> list[li
         shown.add_row(*row)
     console.print(shown)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{tag}_{setting.name.replace(', ', '_').replace(' ', '_').replace('=', '')}"
+    name = setting.name + ("" if setting.batch == 32 else f", batch{setting.batch}")
+    stem = out / f"{tag}_{name.replace(', ', '_').replace(' ', '_').replace('=', '')}"
     with stem.with_suffix(".csv").open("w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
     lines = [f"**{title}**", "", "| " + " | ".join(header) + " |",
@@ -193,6 +203,7 @@ def main(argv: list[str]) -> None:
         "--part", choices=["defaults", "rules", "fashion", "lr"], default="defaults"
     )
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=32, help="every trainer's batch")
     parser.add_argument("--jobs", type=int, default=2, help="processes")
     parser.add_argument("--settings", default="", help="comma-separated setting numbers (1-4)")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -204,6 +215,7 @@ def main(argv: list[str]) -> None:
         settings = [s for s in DIGITS if "no straggler" not in s.name]
     if args.settings:
         settings = [settings[int(i) - 1] for i in args.settings.split(",")]
+    settings = [replace(s, batch=args.batch) for s in settings]
     rules: list[str | None] = [None, "plain"] if args.part == "defaults" else [None]
     if args.part == "rules":
         rules = list(RULES)
