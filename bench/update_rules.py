@@ -55,6 +55,7 @@ METHODS = ["bsp", "ssp:3", "asp", "pbsp:2", "pssp:3:2", "dssp:3:12", "bsp-agg"]
 RULES = ["plain", "scaled", "async", "staleness", "dc"]
 LRS = [0.01, 0.015, 0.02, 0.03, 0.04]
 DEFAULT_LR = 0.02
+DEFAULT_BATCH = 32
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
@@ -67,7 +68,7 @@ class Setting:
     epochs: float
     target: float
     test_rows: int
-    batch: int = 32
+    batch: int = DEFAULT_BATCH
 
 
 DIGITS = [
@@ -158,9 +159,8 @@ def table(results: list[dict], setting: Setting, out: Path, tag: str) -> list[li
             f"{statistics.fmean(r['last'] for r in runs):.3f}",
             f"{statistics.fmean(r['staleness'] for r in runs):.2f}",
         ])  # fmt: skip
-    title = f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs"
-    if setting.batch != 32:
-        title += f", batch {setting.batch}"
+    batch = "" if setting.batch == DEFAULT_BATCH else f", batch {setting.batch}"
+    title = f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs{batch}"
     shown = Table(title=title)
     for column in header:
         shown.add_column(column, justify="left" if column in ("method", "rule") else "right")
@@ -168,8 +168,8 @@ def table(results: list[dict], setting: Setting, out: Path, tag: str) -> list[li
         shown.add_row(*row)
     console.print(shown)
     out.mkdir(parents=True, exist_ok=True)
-    name = setting.name + ("" if setting.batch == 32 else f", batch{setting.batch}")
-    stem = out / f"{tag}_{name.replace(', ', '_').replace(' ', '_').replace('=', '')}"
+    name = (setting.name + batch).replace(", ", "_").replace(" ", "_").replace("=", "")
+    stem = out / f"{tag}_{name}"
     with stem.with_suffix(".csv").open("w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
     lines = [f"**{title}**", "", "| " + " | ".join(header) + " |",
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> None:
         "--part", choices=["defaults", "rules", "fashion", "lr"], default="defaults"
     )
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=32, help="every trainer's batch")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="every trainer's batch")
     parser.add_argument("--jobs", type=int, default=2, help="processes")
     parser.add_argument("--settings", default="", help="comma-separated setting numbers (1-4)")
     parser.add_argument("--methods", default=",".join(METHODS))

@@ -36,17 +36,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
 
 
-__all__ = [
-    "BUILTINS",
-    "DataSource",
-    "EmptyShard",
-    "Layout",
-    "Piece",
-    "Shard",
-    "check_shards",
-    "digest",
-    "load_all",
-    "load_shard",
-    "parse_source",
-    "plan",
-]
+__all__ = sorted(_HOMES)
