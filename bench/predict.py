@@ -8,7 +8,8 @@ waits left out) and its evaluation curve (server 0, every `--eval-seconds` of
 wall time, or back to back when an evaluation takes longer). The simulator then
 trains the same model on the same shards with the same optimizer (the job's own
 `parse`), replaying those durations as its delay model (`trace:`, no transfer
-added: the trace holds it), under the same barrier decisions, and predicts:
+added: the trace holds it), under the same barrier decisions (pBSP and pSSP draw one
+sample per step, as the live barrier does), and predicts:
 
 - the whole run's training time (error = predicted / live - 1);
 - the time to each of `--targets`. The live time is only known to lie between
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from methods import COLORS, LABELS, METHODS, Run, run_one  # bench/methods.py
 
+from coordinator.barriers.policy import SampleTiming
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.jobs.mnist import parse
 from coordinator.simulator.delays import Trace
@@ -84,6 +86,7 @@ def simulate_live(
         aggregate=options.aggregate,
         eval_seconds=eval_seconds,
         transfer=NO_TRANSFER,
+        timing=SampleTiming.PER_STEP,  # the live sampled barrier's: one sample per step
         own_shards=True,  # each trainer its own shard's epochs, as live
     )
 

@@ -1,9 +1,10 @@
 """The server's cost per update under each update rule, against `plain`.
 
 What a live server does per one-by-one gradient of `MnistNet` (215k parameters, one
-server): the rule's `prepare` and the optimizer's out-of-place SGD step, and for `dc` also
-the copy of the weights the trainer pulls. Rounds alternate the rules so the machine's
-noise falls on all alike; the ratio is each rule's median time over plain's.
+server): the rule's `prepare` and the optimizer's out-of-place SGD step into the server's
+pool of published weights, and for `dc` also keeping the weights each trainer pulls
+borrowed (no copy). Rounds alternate the rules so the machine's noise falls on all
+alike; the ratio is each rule's median time over plain's.
 
     python bench/rule_cost.py                 # 4 trainers, 30 rounds of 200 updates
 """
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.ps.model import MnistNet  # noqa: E402
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec  # noqa: E402
+from coordinator.ps.published import PublishedWeights  # noqa: E402
 from coordinator.ps.rules import RULES, UpdateRule, Updates  # noqa: E402
 
 
@@ -32,18 +34,22 @@ def per_update(rule: str, size: int, trainers: int, updates: int) -> float:
     spec = OptimizerSpec("sgd", 0.02, 0.9)
     optimizer = FlatOptimizer(spec, size)
     rules = Updates(UpdateRule(rule), trainers=trainers, aggregate=False, momentum=0.9)
-    weights, spare = torch.randn(size), torch.empty(size)
+    weights = PublishedWeights(torch.randn(size))
     grads = [torch.randn(size) * 1e-3 for _ in range(trainers)]
-    pulled = [torch.empty(size) for _ in range(trainers)]
+    pulled: dict[int, torch.Tensor] = {}
     started = time.perf_counter()
     for k in range(updates):
         trainer = k % trainers
-        if rules.keeps_pulled_weights:  # the server's copy at the trainer's pull
-            pulled[trainer].copy_(weights)
+        if rules.keeps_pulled_weights:  # the server keeps the trainer's pull borrowed
+            kept = pulled.get(trainer)
+            pulled[trainer] = weights.borrow()
+            if kept is not None:
+                weights.give_back(kept)
         grad = grads[trainer]
-        scale, momentum = rules.prepare(grad, trainers - 1, weights, pulled[trainer])
-        optimizer.step(weights, grad, spare, scale, momentum)
-        weights, spare = spare, weights
+        scale, momentum = rules.prepare(grad, trainers - 1, weights.current, pulled.get(trainer))
+        updated = weights.writable()
+        optimizer.step(weights.current, grad, updated, scale, momentum)
+        weights.publish(updated)
     return (time.perf_counter() - started) / updates
 
 
@@ -66,8 +72,8 @@ def main(argv: list[str]) -> None:
         median = statistics.median(times[rule])
         print(f"{rule:10s} {median * 1e6:8.1f} us per update   {median / plain:5.2f}x plain")
     extra = args.trainers * size * 4
-    print(f"dc keeps one copy of the share per trainer: {args.trainers} x {size * 4 / 1e6:.2f} MB"
-          f" = {extra / 1e6:.2f} MB more")  # fmt: skip
+    print(f"dc keeps the weights each trainer pulled: up to {args.trainers} x "
+          f"{size * 4 / 1e6:.2f} MB = {extra / 1e6:.2f} MB more")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,27 +3,30 @@
 Every run is the simulator's (`coordinator.simulator.training.train`, what
 `coordinator simulate --train mnist` runs): the real `MnistNet`, real gradients, the live
 barrier code and the live server's update code, in virtual time. Settings are the CLI's
-defaults (SGD lr 0.02, momentum 0.9, lr decay 0.7 per epoch, batch 32, 0.5 ms + 10 Gbit/s
-transfers); a run stops at its first evaluation at the target, or after its epochs.
+defaults (SGD lr 0.02, momentum 0.9, lr decay 0.7 per epoch, the job's batch: 32 a
+trainer up to P = 8, then 256 / P, at least 8; 0.5 ms + 10 Gbit/s transfers); a run stops
+at its first evaluation at the target, or after its epochs.
 
-    python bench/update_rules.py                   # defaults vs plain, digits (27 min)
+    python bench/update_rules.py                   # defaults vs plain, digits (~40 min)
     python bench/update_rules.py --part rules      # every rule for every method (~40 min)
     python bench/update_rules.py --part fashion    # Fashion-MNIST, P=16 and 64 (~3 h)
     python bench/update_rules.py --part lr --settings 2   # the lr at P=16 (~17 min)
-    python bench/update_rules.py --part fashion --settings 2 --seeds 3 --batch 8
+    python bench/update_rules.py --part fashion --settings 2 --seeds 3 --batch 32
 
 Parts:
-- defaults: digits, P = 4 (3 epochs, target 0.9) and P = 16 (4 epochs, target 0.85), with
-  and without a 3x straggler (a quarter of the trainers), every method, `--seeds` seeds,
-  under its default rule and under `plain`. Then the time-to-accuracy ratio at P = 16 with
-  the straggler: the soonest stale method against BSP-aggregate, both at their defaults.
+- defaults: digits, P = 4 (3 epochs, target 0.9), P = 16 (4 epochs, target 0.85) and
+  P = 64 (8 epochs, target 0.85), with and without a 3x straggler (a quarter of the
+  trainers), every method, `--seeds` seeds, under its default rule and under `plain`. Then
+  the time-to-accuracy ratio at P = 16 with the straggler: the soonest stale method
+  against BSP-aggregate, both at their defaults.
 - rules: the same digits settings with the straggler, every rule for every method.
 - fashion: the 60,000 Fashion-MNIST images (/usr/share/datasets/fashion-mnist), P = 16
   and 64, 2 epochs, target 0.8, defaults.
 - lr: the digits settings, every method at its default rule, under each lr of `LRS`.
 
-`--batch` sets every trainer's batch (32 by default): at P = 64 a round of 64 x 32
-samples moves about as far as one trainer's step, so 2 epochs are too few rounds.
+`--batch` sets every trainer's batch instead of the job's default (`default_batch`): a
+round of P trainers' batches moves about as far as one trainer's step, so a larger batch
+at large P leaves too few rounds in a few epochs.
 
 Prints each table and writes it as markdown and CSV under --out (default
 docs/methods/update_rules/).
@@ -48,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coordinator.barriers.policy import BarrierSpec, Method  # noqa: E402
+from coordinator.ps.rules import default_batch  # noqa: E402
 from coordinator.simulator.train_report import mean_interval  # noqa: E402
 
 console = Console(width=170)
@@ -55,7 +59,6 @@ METHODS = ["bsp", "ssp:3", "asp", "pbsp:2", "pssp:3:2", "dssp:3:12", "bsp-agg"]
 RULES = ["plain", "scaled", "async", "staleness", "dc"]
 LRS = [0.01, 0.015, 0.02, 0.03, 0.04]
 DEFAULT_LR = 0.02
-DEFAULT_BATCH = 32
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
@@ -68,7 +71,7 @@ class Setting:
     epochs: float
     target: float
     test_rows: int
-    batch: int = DEFAULT_BATCH
+    batch: int | None = None  # None: the job's default_batch(P)
 
 
 DIGITS = [
@@ -76,6 +79,8 @@ DIGITS = [
     Setting("P=16, straggler", "digits", 16, "straggler:0.25,3", 4, 0.85, 500),
     Setting("P=4, no straggler", "digits", 4, "exp:1,1", 3, 0.9, 500),
     Setting("P=16, no straggler", "digits", 16, "exp:1,1", 4, 0.85, 500),
+    Setting("P=64, straggler", "digits", 64, "straggler:0.25,3", 8, 0.85, 500),
+    Setting("P=64, no straggler", "digits", 64, "exp:1,1", 8, 0.85, 500),
 ]
 FASHION_SETTINGS = [
     Setting("Fashion P=16, straggler", FASHION, 16, "straggler:0.25,3", 2, 0.8, 2000),
@@ -107,15 +112,16 @@ def _run(job: Job) -> dict:
     spec = BarrierSpec(Method.BSP) if aggregate else parse_barriers(method)[0]
     data = _data(setting.data, setting.workers, setting.test_rows)
     delay = parse_delay(setting.delay)
-    every = training.updates_per_epoch(data, setting.batch, aggregate)
+    batch = setting.batch or default_batch(setting.workers)
+    every = training.updates_per_epoch(data, batch, aggregate)
     started = time.monotonic()
     run = training.train(
         spec, data, epochs=setting.epochs, delay=delay, seed=seed,
         optimizer=OptimizerSpec("sgd", lr, 0.9, decay=0.7, decay_every=every),
         rule=None if rule is None else UpdateRule(rule), aggregate=aggregate,
-        batch_size=setting.batch,
+        batch_size=batch,
         eval_seconds=training.default_eval_seconds(
-            delay, data, setting.batch, setting.epochs, None) / 2,
+            delay, data, batch, setting.epochs, None) / 2,
         stop_accuracy=setting.target,
     )  # fmt: skip
     grads = sum(run.staleness.values())
@@ -159,8 +165,11 @@ def table(results: list[dict], setting: Setting, out: Path, tag: str) -> list[li
             f"{statistics.fmean(r['last'] for r in runs):.3f}",
             f"{statistics.fmean(r['staleness'] for r in runs):.2f}",
         ])  # fmt: skip
-    batch = "" if setting.batch == DEFAULT_BATCH else f", batch {setting.batch}"
-    title = f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs{batch}"
+    size = setting.batch or default_batch(setting.workers)
+    title = (
+        f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs, batch {size}"
+    )
+    batch = "" if setting.batch is None else f", batch {setting.batch}"  # only in a name
     shown = Table(title=title)
     for column in header:
         shown.add_column(column, justify="left" if column in ("method", "rule") else "right")
@@ -203,9 +212,9 @@ def main(argv: list[str]) -> None:
         "--part", choices=["defaults", "rules", "fashion", "lr"], default="defaults"
     )
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="every trainer's batch")
+    parser.add_argument("--batch", type=int, help="every trainer's batch (default: the job's)")
     parser.add_argument("--jobs", type=int, default=2, help="processes")
-    parser.add_argument("--settings", default="", help="comma-separated setting numbers (1-4)")
+    parser.add_argument("--settings", default="", help="comma-separated setting numbers (1-6)")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=ROOT / "docs/methods/update_rules")
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -30,15 +30,17 @@ from coordinator.cli.options import (
     program_after_dashes,
     unset_option,
 )
-from coordinator.client import SERVER_ENV, Client, ServiceError, ServiceFailed, Unreachable
 from coordinator.exit_codes import EXIT_ETCD_UNAVAILABLE
+
+if TYPE_CHECKING:  # imported when a command calls the service: members need no httpx
+    from coordinator.client import Client
 
 out = Console()
 err = Console(stderr=True)
 
 ServerOption = Annotated[
     str | None,
-    typer.Option(envvar=SERVER_ENV, help="the service's URL [http://127.0.0.1:8080]"),
+    typer.Option(envvar="COORDINATOR_SERVER", help="the service's URL [http://127.0.0.1:8080]"),
 ]
 TokenOption = unset_option(
     str, "COORDINATOR_TOKEN", "bearer token [a local service's DATA_DIR/api-token]"
@@ -51,6 +53,8 @@ OUTCOME_CODES = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 130}
 def service(server: str | None, token: str | None) -> Iterator[Client]:
     """A client of the service; what it raises ends the command with its message and
     exit code (3 unreachable, 1 the service's fault, 2 any refusal)."""
+    from coordinator.client import Client, ServiceError, ServiceFailed, Unreachable
+
     try:
         with Client(server, token) as client:
             yield client

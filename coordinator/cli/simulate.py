@@ -62,7 +62,15 @@ def simulate_barriers(
     targets: Annotated[
         str, typer.Option(help="--train: test accuracies for time_to_accuracy.csv, in (0, 1]")
     ] = "0.8,0.85,0.9",
-    batch_size: Annotated[int, typer.Option(min=1, help="--train: batch per trainer step")] = 32,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="--train: batch per trainer step (default 32 up to 8 workers, then 256/P, "
+            "at least 8)",
+            show_default=False,
+        ),
+    ] = None,
     epochs: Annotated[
         float | None,
         typer.Option(

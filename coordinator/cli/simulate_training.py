@@ -37,7 +37,7 @@ class Options:
     out: str
     seeds: int
     targets: str
-    batch_size: int
+    batch_size: int | None
     epochs: float | None
     virtual_seconds: float | None
     data: str
@@ -117,7 +117,7 @@ def run(options: Options) -> None:
     ):
         if value is not None and not ok(value):
             raise _bad(f"{value:g} is out of range", name)
-    from coordinator.ps.rules import check_rule
+    from coordinator.ps.rules import check_rule, default_batch
 
     try:
         checked = check_rule(options.update_rule or "plain", options.compensation)
@@ -141,16 +141,17 @@ def run(options: Options) -> None:
         data = TrainingData.load(source, options.workers, options.test_rows)
     except ValueError as exc:
         raise _bad(str(exc), "--data") from None
+    batch = options.batch_size or default_batch(options.workers)
     epochs = options.epochs
     if epochs is None and options.virtual_seconds is None:
         epochs = 1.0
     transfer = training.Transfer(options.latency, options.bandwidth)
     eval_seconds = options.eval_seconds or training.default_eval_seconds(
-        delay, data, options.batch_size, epochs, options.virtual_seconds, transfer
+        delay, data, batch, epochs, options.virtual_seconds, transfer
     )
 
     def optimizer(aggregate: bool) -> OptimizerSpec:
-        every = training.updates_per_epoch(data, options.batch_size, aggregate)
+        every = training.updates_per_epoch(data, batch, aggregate)
         return OptimizerSpec(
             "sgd", options.lr, options.momentum, decay=options.lr_decay, decay_every=every
         )
@@ -168,7 +169,7 @@ def run(options: Options) -> None:
             bar.update(task, description=f"{name} seed {seed}")
             runs.append(
                 training.train(
-                    spec, data, batch_size=options.batch_size, epochs=epochs,
+                    spec, data, batch_size=batch, epochs=epochs,
                     virtual_seconds=options.virtual_seconds, delay=delay, seed=seed,
                     optimizer=optimizer(aggregate), rule=rule,
                     aggregate=aggregate, eval_seconds=eval_seconds,
@@ -180,10 +181,7 @@ def run(options: Options) -> None:
     bound = (
         f"{epochs:g} epoch(s)" if epochs is not None else f"{options.virtual_seconds:g} virtual s"
     )
-    title = (
-        f"{options.model}, P={options.workers}, batch {options.batch_size}, {bound}, "
-        f"delay {options.delay}"
-    )
+    title = f"{options.model}, P={options.workers}, batch {batch}, {bound}, delay {options.delay}"
     try:
         written += train_report.plot(runs, targets, directory, title=title)
         no_plot = None

@@ -14,7 +14,8 @@ class PublishedWeights:
 
     A buffer being sent to a trainer is borrowed; an update writes only a buffer
     that is neither published nor borrowed, so the pool holds at most one buffer
-    per connection plus two.
+    per connection plus two (under `dc`, which also keeps each trainer's last pull
+    borrowed, one more per trainer).
     """
 
     def __init__(self, weights: torch.Tensor) -> None:
@@ -26,6 +27,10 @@ class PublishedWeights:
         key = id(self.current)
         self._borrowers[key] = self._borrowers.get(key, 0) + 1
         return self.current
+
+    def borrow_again(self, buffer: torch.Tensor) -> None:
+        """One more borrower of a buffer still borrowed (KeyError if it is not)."""
+        self._borrowers[id(buffer)] += 1
 
     def give_back(self, buffer: torch.Tensor) -> None:
         key = id(buffer)

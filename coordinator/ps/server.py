@@ -114,7 +114,7 @@ class ParameterServer:
             aggregate=aggregate,
             momentum=optimizer.momentum,
         )
-        #: dc: per trainer, (version, a copy of the weights it last pulled).
+        #: dc: per trainer, (version, the weights it last pulled: a borrowed buffer).
         self.pulled: dict[int, tuple[int, torch.Tensor]] = {}
         self.aggregate = aggregate
         self.version = 0
@@ -214,6 +214,7 @@ class ParameterServer:
                 with self.changed:
                     if trainer is not None:
                         self.trainers[trainer].finished = True
+                        self._release_pulled(trainer)
                     self._aggregate_ready()
                     self.changed.notify_all()
                 wire.send(sock, Kind.ACK, self.version, 0)
@@ -270,14 +271,21 @@ class ParameterServer:
         self._send(sock, weights, version, applied.staleness)
 
     def _keep_pulled(self, trainer: int | None, weights: torch.Tensor, version: int) -> None:
-        """dc: copy the weights `trainer` was just sent (a borrowed buffer: nobody writes
-        it meanwhile); its next gradient is compensated against them."""
+        """dc: keep the weights `trainer` is being sent borrowed, so that no update
+        writes them, until its next pull; its next gradient is compensated against them.
+        (No copy: published weights are never written while borrowed.)"""
         if trainer is None or not self.rule.keeps_pulled_weights:
             return
-        kept = self.pulled.get(trainer)
-        copy = torch.empty_like(weights) if kept is None else kept[1]
-        copy.copy_(weights)
-        self.pulled[trainer] = (version, copy)
+        with self.changed:
+            self.weights.borrow_again(weights)
+            self._release_pulled(trainer)
+            self.pulled[trainer] = (version, weights)
+
+    def _release_pulled(self, trainer: int) -> None:
+        """dc: give back the weights `trainer` last pulled (under the lock)."""
+        kept = self.pulled.pop(trainer, None)
+        if kept is not None:
+            self.weights.give_back(kept[1])
 
     def _aggregate(
         self, trainer: int, clock: int, computed_from: int, grad: torch.Tensor
@@ -341,6 +349,7 @@ class ParameterServer:
 
     def _gone(self, trainer: int, reason: str) -> None:
         with self.changed:
+            self._release_pulled(trainer)
             state = self.trainers[trainer]
             if not state.finished:
                 state.gone = reason

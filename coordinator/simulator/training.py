@@ -56,7 +56,7 @@ from coordinator.jobs.mnist.batches import batch_rows, steps_per_epoch
 from coordinator.jobs.mnist.options import CLASSES
 from coordinator.ps.model import FlatModel, MnistNet
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
-from coordinator.ps.rules import UpdateRule, Updates, default_rule
+from coordinator.ps.rules import UpdateRule, Updates, default_batch, default_rule
 from coordinator.simulator.delays import DelayModel, ShiftedExponential
 from coordinator.simulator.engine import Hooks, simulate
 from coordinator.simulator.training_data import TrainingData
@@ -127,7 +127,7 @@ def train(
     spec: BarrierSpec,
     data: TrainingData,
     *,
-    batch_size: int = 32,
+    batch_size: int | None = None,
     epochs: float | None = 1.0,
     virtual_seconds: float | None = None,
     delay: DelayModel | None = None,
@@ -152,6 +152,7 @@ def train(
     `epochs` counts passes over the whole training set, by whichever trainers make them;
     with `own_shards`, each trainer makes `epochs` passes over its own shard and then idles
     (it trains no more and holds nobody back), as the live job's trainers do.
+    `batch_size` is each trainer's (default: the live job's, `rules.default_batch`).
     `model` builds the network (default `MnistNet`; it is called with torch seeded by
     `seed`), `loss` scores a batch (the mean over its rows).
     """
@@ -159,6 +160,8 @@ def train(
     workers = data.workers
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if batch_size is None:
+        batch_size = default_batch(workers)
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     if epochs is None and virtual_seconds is None:

@@ -371,6 +371,13 @@ def write_idx(folder: Path, train_magic: int = 0x803) -> None:
         (folder / name).write_bytes(struct.pack(">II", 0x801, count) + bytes(count))
 
 
+def test_the_batch_defaults_by_the_number_of_trainers(tmp_path: Path) -> None:
+    """What `default_batch` says, unless the user names one (1 server, P trainers)."""
+    batch = {p: parse({"artifacts": str(tmp_path)}, p + 1).batch_size for p in (3, 16, 64)}
+    assert batch == {3: 32, 16: 16, 64: 8}
+    assert parse({"artifacts": str(tmp_path), "batch_size": "64"}, 65).batch_size == 64
+
+
 def test_good_idx_files_parse(tmp_path: Path) -> None:
     """The files the bad-magic case breaks are otherwise good: only the magic is at fault."""
     write_idx(tmp_path / "good")

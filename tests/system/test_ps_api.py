@@ -144,6 +144,47 @@ def test_push_with_pull_is_sgd_step_for_step_and_reads_its_own_update() -> None:
             server.close()
 
 
+def test_dc_compensates_each_gradient_against_the_weights_its_trainer_pulled() -> None:
+    """A live server under `dc` (SGD without momentum, 2 trainers: each gradient at half
+    the lr) by hand: a gradient pulled at W is applied as g + lambda g g (W_now - W). The
+    server keeps the pulled weights without a copy, so B's third gradient, pulled at the
+    first weights two updates ago, checks that no update wrote them meanwhile."""
+    lr, lam = 0.1, 2.0
+    servers, peers = listening(
+        1, 2, optimizer=ps.optimizer("sgd", lr), update_rule="dc", compensation=lam
+    )
+    size = sum(p.numel() for p in mlp().parameters())
+    grads = [torch.randn(size, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+    def push(client: ps.Trainer, grad: torch.Tensor) -> list[int]:
+        shapes = [p.shape for p in client.model.parameters()]
+        pieces = torch.split(grad, [s.numel() for s in shapes])
+        return client.push([g.reshape(s) for g, s in zip(pieces, shapes, strict=True)])
+
+    def applied(grad: torch.Tensor, now: torch.Tensor, pulled: torch.Tensor) -> torch.Tensor:
+        return now - lr / 2 * (grad + lam * grad * grad * (now - pulled))
+
+    try:
+        with (
+            ps.trainer(mlp(), peers, index=0, timeout=10) as a,
+            ps.trainer(mlp(), peers, index=1, timeout=10) as b,
+        ):
+            a.pull(), b.pull()
+            w0, _ = servers[0].snapshot()
+            assert push(b, grads[0]) == [0]  # B: fresh, nothing to compensate
+            w1 = w0 - lr / 2 * grads[0]
+            assert push(a, grads[1]) == [1]  # A: pulled w0, one update since
+            w2 = applied(grads[1], w1, w0)
+            a.pull()  # A now holds w2; B still w0
+            assert push(b, grads[2]) == [2]
+            w3 = applied(grads[2], w2, w0)
+            torch.testing.assert_close(servers[0].snapshot()[0], w3)
+        servers[0].wait(timeout=10)
+    finally:
+        for server in servers:
+            server.close()
+
+
 def test_a_trainer_without_the_rounds_secret_is_refused_and_given_grads_are_checked() -> None:
     servers, peers = listening(1, 1, checkpoint_every=0)
     try:

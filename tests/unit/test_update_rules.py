@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coordinator.ps.optim import FlatOptimizer, OptimizerSpec
-from coordinator.ps.rules import UpdateRule, Updates, check_rule, default_rule
+from coordinator.ps.rules import UpdateRule, Updates, check_rule, default_batch, default_rule
 
 
 def updates(name: str, trainers: int, aggregate: bool = False, momentum: float = 0.9) -> Updates:
@@ -95,6 +95,12 @@ def test_the_default_rule_follows_the_updates() -> None:
     assert default_rule("sgd", aggregate=True) == UpdateRule("scaled")
     assert default_rule("sgd") == UpdateRule("async")
     assert default_rule("adam") == default_rule("adam", aggregate=True) == UpdateRule("plain")
+
+
+def test_the_default_batch_keeps_enough_rounds_at_large_p() -> None:
+    """32 a trainer up to 8 trainers, then a round of 256 samples, never below 8."""
+    sizes = {p: default_batch(p) for p in (1, 4, 8, 9, 16, 32, 64, 1000)}
+    assert sizes == {1: 32, 4: 32, 8: 32, 9: 28, 16: 16, 32: 8, 64: 8, 1000: 8}
 
 
 @pytest.mark.parametrize(

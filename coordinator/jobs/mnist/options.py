@@ -21,7 +21,13 @@ from coordinator.jobs.params import artifacts_dir, check_known, float_param, int
 from coordinator.jobs.steps import parse_barrier, parse_stop, parse_straggler
 from coordinator.ps.model import MnistNet
 from coordinator.ps.optim import OptimizerSpec
-from coordinator.ps.rules import DEFAULT_COMPENSATION, UpdateRule, check_rule, default_rule
+from coordinator.ps.rules import (
+    DEFAULT_COMPENSATION,
+    UpdateRule,
+    check_rule,
+    default_batch,
+    default_rule,
+)
 
 JOB = "mnist"
 CLASSES = 10
@@ -118,7 +124,7 @@ def parse(params: dict[str, str], world_size: int) -> MnistOptions:
     straggler, factor = parse_straggler(JOB, params, range(servers, world_size))
     data = parse_mnist(params.get("data", "digits"), field="data")
     check_train_shards(data, trainers)
-    batch_size = int_at_least(JOB, params, "batch_size", 32, minimum=1)
+    batch_size = int_at_least(JOB, params, "batch_size", default_batch(trainers), minimum=1)
     decay = float_param(JOB, params, "lr_decay", 0.7)
     if not 0 < decay <= 1:
         raise ValueError(f"{JOB} job: parameter lr_decay must be in (0, 1], got {decay:g}")
