@@ -7,7 +7,7 @@ defaults (SGD lr 0.02, momentum 0.9, lr decay 0.7 per epoch, the job's batch: 32
 trainer up to P = 8, then 256 / P, at least 8; 0.5 ms + 10 Gbit/s transfers); a run stops
 at its first evaluation at the target, or after its epochs.
 
-    python bench/update_rules.py                   # defaults vs plain, digits (~40 min)
+    python bench/update_rules.py                   # defaults vs plain, digits (~90 min)
     python bench/update_rules.py --part rules      # every rule for every method (~40 min)
     python bench/update_rules.py --part fashion    # Fashion-MNIST, P=16 and 64 (~3 h)
     python bench/update_rules.py --part lr --settings 2   # the lr at P=16 (~17 min)
