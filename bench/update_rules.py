@@ -45,6 +45,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,10 +137,15 @@ def _run(job: Job) -> dict:
 
 
 def run_all(jobs: list[Job], processes: int) -> list[dict]:
-    if processes == 1:
-        return [_run(job) for job in jobs]
-    with ProcessPoolExecutor(processes) as pool:
-        return list(pool.map(_run, jobs, chunksize=1))
+    """Every job's result, in the jobs' order, with a bar of the runs done."""
+    columns = (TextColumn("runs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    results = []
+    with Progress(*columns, console=console) as bar, ProcessPoolExecutor(processes) as pool:
+        task = bar.add_task("runs", total=len(jobs))
+        for result in pool.map(_run, jobs, chunksize=1):
+            results.append(result)
+            bar.advance(task)
+    return results
 
 
 def interval(values: list[float]) -> str:
