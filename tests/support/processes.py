@@ -123,6 +123,19 @@ class Proc:
                 self._changed.wait_for(lambda n=seen: len(self.stderr) > n, timeout=0.5)
             return self.stderr[start:]
 
+    def children(self) -> list[str]:
+        """Its child processes (a member's program): pid, state and command line."""
+        try:
+            found = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        described = []
+        for child in found:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                command = " ".join(child.cmdline())[-200:]
+                described.append(f"{child.pid} {child.status()} {command}")
+        return described
+
     def kill(self, wait: bool = True) -> None:
         """SIGKILL it, if it runs; `wait=False`: without waiting for it to be gone."""
         if self.process.poll() is None:
@@ -135,6 +148,24 @@ class Proc:
         self.process.wait(timeout)
         for reader in self._readers:
             reader.join(timeout)
+
+
+def wait_all(procs: list[Proc], timeout: float = 60) -> list[int]:
+    """Every proc's exit code, all within one deadline. If some still run then, the
+    error shows each of those: its last events, its children, where its threads are
+    (one hung member or program keeps the others at their barrier: which one?)."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.process.wait(max(0.0, deadline - time.monotonic()))
+    running = [proc for proc in procs if proc.process.poll() is None]
+    if running:
+        report = [f"{len(running)} of {len(procs)} still running after {timeout}s"]
+        for proc in running:
+            report += [f"--- pid {proc.process.pid}: last events {proc.events[-3:]}",
+                       f"children: {proc.children()}", *proc.threads()]  # fmt: skip
+        raise AssertionError("\n".join(report))
+    return [proc.wait_exit(timeout=5) for proc in procs]
 
 
 def worker_args(

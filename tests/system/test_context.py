@@ -25,7 +25,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.program_steps import check_ranks, check_steps, check_stop
 from tests.support.commands import GRACE, PROGRAMS, TTL, Run, command_worker, rank_results
-from tests.support.processes import Proc
+from tests.support.processes import Proc, wait_all
 from tests.support.service import ServiceProc, wait_state
 from tests.support.wait import wait_until
 
@@ -92,8 +92,7 @@ def test_a_user_loop_keeps_the_methods_bound_with_a_straggler(
         step_seconds=0.03, seed=7,
     )  # fmt: skip
     procs = start_members(etcd_server, etcd, spawn, "paced", n, program)
-    for proc in procs:
-        assert proc.wait_exit(timeout=60) == 0, proc.stderr[-5:]
+    assert wait_all(procs, timeout=60) == [0] * n, [proc.stderr[-5:] for proc in procs]
     got = results(tmp_path, n)
     sampled = method["method"].startswith("p")
     widest = 0
