@@ -74,6 +74,10 @@ class Setting:
     test_rows: int
     batch: int | None = None  # None: the job's default_batch(P)
 
+    @property
+    def batch_size(self) -> int:
+        return self.batch or default_batch(self.workers)
+
 
 DIGITS = [
     Setting("P=4, straggler", "digits", 4, "straggler:0.25,3", 3, 0.9, 500),
@@ -113,7 +117,7 @@ def _run(job: Job) -> dict:
     spec = BarrierSpec(Method.BSP) if aggregate else parse_barriers(method)[0]
     data = _data(setting.data, setting.workers, setting.test_rows)
     delay = parse_delay(setting.delay)
-    batch = setting.batch or default_batch(setting.workers)
+    batch = setting.batch_size
     every = training.updates_per_epoch(data, batch, aggregate)
     started = time.monotonic()
     run = training.train(
@@ -171,11 +175,11 @@ def table(results: list[dict], setting: Setting, out: Path, tag: str) -> list[li
             f"{statistics.fmean(r['last'] for r in runs):.3f}",
             f"{statistics.fmean(r['staleness'] for r in runs):.2f}",
         ])  # fmt: skip
-    size = setting.batch or default_batch(setting.workers)
     title = (
-        f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs, batch {size}"
+        f"{setting.name}: {setting.data.split('/')[-1]}, {setting.epochs:g} epochs, "
+        f"batch {setting.batch_size}"
     )
-    batch = "" if setting.batch is None else f", batch {setting.batch}"  # only in a name
+    batch = "" if setting.batch is None else f", batch {setting.batch}"  # a batch given
     shown = Table(title=title)
     for column in header:
         shown.add_column(column, justify="left" if column in ("method", "rule") else "right")

@@ -186,8 +186,7 @@ class ParameterServer:
             header = wire.expect(sock, Kind.PULL, Kind.PUSH, Kind.PUSH_PULL, Kind.BYE)
             if header.kind == Kind.PULL:
                 wire.expect_no_payload(header)
-                weights, version = self._borrow_at_least(header.a, sock.gettimeout())
-                self._keep_pulled(trainer, weights, version)
+                weights, version = self._borrow_at_least(header.a, sock.gettimeout(), trainer)
                 self._send(sock, weights, version, 0)
             elif header.kind in (Kind.PUSH, Kind.PUSH_PULL):
                 if trainer is None:
@@ -229,8 +228,11 @@ class ParameterServer:
             with self.changed:
                 self.weights.give_back(weights)
 
-    def _borrow_at_least(self, least: int, timeout: float | None) -> tuple[torch.Tensor, int]:
-        """The published weights once at `least` versions, waiting at most `timeout`."""
+    def _borrow_at_least(
+        self, least: int, timeout: float | None, trainer: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """The published weights once at `least` versions, waiting at most `timeout`,
+        borrowed for `trainer` (`_borrow`)."""
         if self.last_version is not None and least > self.last_version:
             raise ProtocolError(
                 f"PULL asks for version {least}, beyond the last this run can reach"
@@ -238,7 +240,7 @@ class ParameterServer:
         with self.changed:
             if not self.changed.wait_for(lambda: self.version >= least or self._closed, timeout):
                 raise ProtocolError(f"PULL waited {timeout:g}s for version {least} in vain")
-            return self.weights.borrow(), self.version
+            return self._borrow(trainer)
 
     # -- updates ----------------------------------------------------------
 
@@ -266,20 +268,19 @@ class ParameterServer:
             self._update(grad, [applied], applied.staleness, pulled)
             if not weights_back:
                 return
-            weights, version = self.weights.borrow(), self.version
-        self._keep_pulled(trainer, weights, version)
+            weights, version = self._borrow(trainer)
         self._send(sock, weights, version, applied.staleness)
 
-    def _keep_pulled(self, trainer: int | None, weights: torch.Tensor, version: int) -> None:
-        """dc: keep the weights `trainer` is being sent borrowed, so that no update
-        writes them, until its next pull; its next gradient is compensated against them.
-        (No copy: published weights are never written while borrowed.)"""
-        if trainer is None or not self.rule.keeps_pulled_weights:
-            return
-        with self.changed:
+    def _borrow(self, trainer: int | None) -> tuple[torch.Tensor, int]:
+        """The published weights, borrowed to be sent to `trainer` (under the lock). Under
+        dc they stay borrowed for it too, so that no update writes them, until its next
+        pull: its next gradient is compensated against them, without a copy."""
+        weights = self.weights.borrow()
+        if trainer is not None and self.rule.keeps_pulled_weights:
             self.weights.borrow_again(weights)
             self._release_pulled(trainer)
-            self.pulled[trainer] = (version, weights)
+            self.pulled[trainer] = (self.version, weights)
+        return weights, self.version
 
     def _release_pulled(self, trainer: int) -> None:
         """dc: give back the weights `trainer` last pulled (under the lock)."""
