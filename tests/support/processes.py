@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,7 +125,8 @@ class Proc:
             return self.stderr[start:]
 
     def children(self) -> list[str]:
-        """Its child processes (a member's program): pid, state and command line."""
+        """Its child processes (a member's program): pid, state, command line, and where a
+        Python one's threads are (py-spy's dump, when py-spy is there)."""
         try:
             found = psutil.Process(self.process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -133,7 +135,7 @@ class Proc:
         for child in found:
             with contextlib.suppress(psutil.NoSuchProcess):
                 command = " ".join(child.cmdline())[-200:]
-                described.append(f"{child.pid} {child.status()} {command}")
+                described += [f"{child.pid} {child.status()} {command}", *stack_of(child.pid)]
         return described
 
     def kill(self, wait: bool = True) -> None:
@@ -150,6 +152,23 @@ class Proc:
             reader.join(timeout)
 
 
+def stack_of(pid: int) -> list[str]:
+    """Where a Python process's threads are, from outside it (no signal it might not
+    handle): py-spy's dump, or nothing when py-spy is missing or cannot attach."""
+    spy = shutil.which(
+        "py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    )
+    if spy is None:
+        return []
+    try:
+        dump = subprocess.run(
+            [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20
+        )
+    except subprocess.TimeoutExpired:
+        return [f"  (py-spy dump of {pid} timed out)"]
+    return ["  " + line for line in (dump.stdout or dump.stderr).splitlines()]
+
+
 def wait_all(procs: list[Proc], timeout: float = 60) -> list[int]:
     """Every proc's exit code, all within one deadline. If some still run then, the
     error shows each of those: its last events, its children, where its threads are
@@ -160,10 +179,14 @@ def wait_all(procs: list[Proc], timeout: float = 60) -> list[int]:
             proc.process.wait(max(0.0, deadline - time.monotonic()))
     running = [proc for proc in procs if proc.process.poll() is None]
     if running:
+        children = {proc: proc.children() for proc in running}
+        # Those whose program still runs first (likely the culprit: a long report is cut).
+        running.sort(key=lambda proc: not children[proc])
         report = [f"{len(running)} of {len(procs)} still running after {timeout}s"]
         for proc in running:
             report += [f"--- pid {proc.process.pid}: last events {proc.events[-3:]}",
-                       f"children: {proc.children()}", *proc.threads()]  # fmt: skip
+                       "children:", *children[proc], "its last output:", *proc.stderr[-40:],
+                       "its threads:", *proc.threads()]  # fmt: skip
         raise AssertionError("\n".join(report))
     return [proc.wait_exit(timeout=5) for proc in procs]
 

@@ -5,9 +5,11 @@ argv[1]: JSON with the `steps` arguments, plus `record` (a folder), `straggler`
 the clock, the passage's slowest and observed clocks, and wall times when the
 wait returned and before `done` published; or `<record>/error<r>.json` naming the
 error and when it came. SIGTERM is ignored, so an error raised while its member
-stops it is still recorded (the member's SIGKILL follows after its grace).
+stops it is still recorded (the member's SIGKILL follows after its grace). A program
+still running after 45 s prints where its threads are (a test waits 60 s for them).
 """
 
+import faulthandler
 import json
 import signal
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import coordinator
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+faulthandler.dump_traceback_later(45, exit=False)
 args = json.loads(sys.argv[1])
 record = Path(args.pop("record"))
 straggler = args.pop("straggler", None)
