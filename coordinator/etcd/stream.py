@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -42,6 +43,16 @@ class WatchStream(Watcher):
     @_request_queue.setter
     def _request_queue(self, bounded: queue.Queue[Any]) -> None:
         self._requests: queue.Queue[Any] = queue.Queue()
+
+    def cancel_watch(self, watch_id: int, callback: Callable[[Any], None]) -> None:
+        """End watch `watch_id` if it is still `callback`'s. Ids count from 0 on every
+        stream, this one's next too: once the stream a watch was created on has ended,
+        its id may be another watch's (which would never hear of its keys again)."""
+        with self._lock:
+            if self._callbacks.get(watch_id) is not callback:
+                return
+            del self._callbacks[watch_id]
+            self._cancel_no_lock(watch_id)
 
     def join(self, timeout: float) -> None:
         """Wait for the stream's thread to end (not from the thread itself)."""

@@ -19,6 +19,7 @@ from coordinator.etcd.txn import KeyValue, key_value, prefix_end
 
 if TYPE_CHECKING:
     from coordinator.etcd.connection import CallOptions, Connection
+    from coordinator.etcd.stream import WatchStream
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Watch:
         self._known: dict[str, bytes] = {}  # key -> its last value seen
         self._lock = threading.Lock()
         self._closed = False
-        self._watch_id: int | None = None
+        self._registered: Registration | None = None
         self._filters = [etcdrpc.WatchCreateRequest.NOPUT] if only_deletes else None
         if only_deletes and known_keys is not None and start_revision != 0:
             self._known = dict.fromkeys(known_keys, b"")
@@ -143,14 +144,14 @@ class Watch:
                 self._remember(events)
             self._callback(events)
 
-        def add(_: CallOptions) -> int:
+        def add(_: CallOptions) -> Registration:
             # One registration at a time per client: the library's watcher lets a second
             # one, which waited for the first, queue its request to a stream that died
             # meanwhile (as all do when a member dies), where it times out unanswered.
             with self._etcd._watch_lock:
                 watcher = self._etcd._watcher()
                 try:
-                    return watcher.add_callback(
+                    watch_id = watcher.add_callback(
                         self._key,
                         on_response,
                         range_end=self._range_end,
@@ -158,15 +159,23 @@ class Watch:
                         filters=self._filters,
                         prev_kv=self._prev_kv,
                     )
+                    return Registration(watcher, watch_id, on_response)
                 except WatchTimedOut:
                     self._etcd._renew_watcher(watcher)
                     raise
 
         try:
-            self._watch_id = self._etcd._call(add)
+            registered = self._etcd._call(add)
         except RevisionCompactedError as exc:  # compacted before the watch was created
             self._resync(exc.compacted_revision)
             self._register()
+            return
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._registered = registered
+        if closed:  # cancelled while this registration was on its way
+            registered.cancel()
 
     def _covers(self, key: bytes) -> bool:
         if self._range_end is None:
@@ -250,8 +259,21 @@ class Watch:
     def cancel(self) -> None:
         with self._lock:
             self._closed = True
-            watch_id = self._watch_id
-        if watch_id is not None:
-            # The stream may already be gone, with nothing left to cancel.
-            with contextlib.suppress(Exception):
-                self._etcd._watcher().cancel(watch_id)
+            registered, self._registered = self._registered, None
+        if registered is not None:
+            registered.cancel()
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where a watch is registered: the stream, its id there, the callback it got."""
+
+    watcher: WatchStream
+    watch_id: int
+    callback: Callable[[object], None]
+
+    def cancel(self) -> None:
+        """End it on its own stream, and only if that id is still this callback's: ids
+        count from 0 on every stream, so after its stream ended it is another watch's."""
+        with contextlib.suppress(Exception):  # the stream may be gone, with nothing to cancel
+            self.watcher.cancel_watch(self.watch_id, self.callback)

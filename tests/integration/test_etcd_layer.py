@@ -370,3 +370,30 @@ def test_watch_cancels_never_wait_on_a_stream_that_stopped_reading(etcd: Etcd) -
     release.set()
     assert not cancelling.is_alive(), "a watch's cancel waited on the stopped stream"
     holding.cancel()
+
+
+@pytest.mark.parametrize("stream", ["replaced", "restarted"])
+def test_a_watch_cancelled_after_its_stream_ended_leaves_the_next_streams_watches(
+    etcd: Etcd, stream: str
+) -> None:
+    """Watch ids count from 0 on every stream. A watch cancelled before it moved to the
+    client's next stream (a new one, or the same one's next call) must not cancel
+    another watch there that got its id: that one would never hear of its key again
+    (a barrier waiting for ever)."""
+    old = etcd.watch(etcd.key("ids", "old"), lambda events: None, 0)
+    heard = threading.Event()
+    with etcd._watch_lock:  # (the old watch cannot move to the next stream meanwhile)
+        watcher = etcd._watcher()
+        if stream == "replaced":
+            etcd._renew_watcher(watcher)
+        else:
+            ended = watcher._callback_thread
+            assert watcher.stream is not None and ended is not None
+            watcher.stream().cancel()  # type: ignore[union-attr]
+            ended.join(10)
+        other = etcd._watcher().add_callback(
+            etcd.key("ids", "other"), lambda response: heard.set(), start_revision=0
+        )
+        old.cancel()
+    etcd.put(etcd.key("ids", "other"), "1")
+    assert heard.wait(10), f"watch {other} on the next stream was cancelled with the old one"
