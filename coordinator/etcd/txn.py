@@ -2,14 +2,15 @@
 
 A transaction runs its operations if every condition holds, else its other
 operations (etcd's If/Then/Else): `Etcd.transaction(then, when=..., otherwise=...)`.
-Every guarded write of the product is written with these conditions, so a guard
-reads the same wherever it is used (`When` nests one transaction in another).
+Every transaction of the product is built from these, so a guard reads the same
+wherever it is used (`When` nests one transaction in another); the client's shortcuts
+(`create`, `replace`, `delete_if`, `put_and_count`) answer with the named results below.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 from pyetcd import etcdrpc
 
@@ -31,7 +32,38 @@ def key_value(kv: etcdrpc.KeyValue) -> KeyValue:
 class TxnResult:
     succeeded: bool  # whether the conditions held
     revision: int
-    reads: list[KeyValue | None]  # one per `First` or `Get`, in order
+    reads: list[KeyValue | None]  # one per `First` or `Get` of the branch that ran, in order
+    counts: list[int] = field(default_factory=list)  # one per `Count`, in order
+
+
+class Created(NamedTuple):
+    """`Etcd.create`'s answer."""
+
+    created: bool  # by this call, or by an earlier attempt of it whose answer was lost
+    current: KeyValue  # the key as it now is
+    count: int  # keys under the `count_prefix` just after (0 without one)
+
+
+class Replaced(NamedTuple):
+    """`Etcd.replace`'s answer."""
+
+    written: bool
+    current: KeyValue | None  # the key when it was not written (None: gone, or written)
+    revision: int  # the write's own when written, else the one answered at
+
+
+class Deleted(NamedTuple):
+    """`Etcd.delete_if`'s answer."""
+
+    deleted: bool
+    revision: int
+
+
+class Counted(NamedTuple):
+    """`Etcd.put_and_count`'s answer."""
+
+    revision: int  # of the write
+    count: int  # keys under the prefix just after it
 
 
 def to_bytes(value: bytes | str) -> bytes:
@@ -131,7 +163,19 @@ class Empty(_Condition):
         compare.version = 0
 
 
-Guard = ValueIs | CreatedAt | QuietSince | Unchanged | Empty
+@dataclass(frozen=True)
+class Never(_Condition):
+    """A condition that never holds (`key`'s version below 0): etcd still checks that
+    the caller may read and write `key` (its auth checks both branches)."""
+
+    key: str
+
+    def fill(self, compare: etcdrpc.Compare) -> None:
+        compare.key, compare.result = self.key.encode(), etcdrpc.Compare.LESS
+        compare.target, compare.version = etcdrpc.Compare.VERSION, 0
+
+
+Guard = ValueIs | CreatedAt | QuietSince | Unchanged | Empty | Never
 
 
 class _Operation:
@@ -191,6 +235,19 @@ class Get(_Operation):
 
 
 @dataclass(frozen=True)
+class Count(_Operation):
+    """How many keys are under `prefix`."""
+
+    prefix: str
+
+    def into(self, op: etcdrpc.RequestOp) -> None:
+        count = op.request_range
+        count.SetInParent()
+        count.key, count.range_end = self.prefix.encode(), prefix_end(self.prefix)
+        count.count_only = True
+
+
+@dataclass(frozen=True)
 class When(_Operation):
     """A nested transaction: `ops` run only if every condition holds.
 
@@ -211,4 +268,4 @@ class When(_Operation):
             inner.into(nested.success.add())
 
 
-TxnOp = Put | Delete | First | Get | When
+TxnOp = Put | Delete | First | Get | Count | When

@@ -17,7 +17,18 @@ from coordinator.etcd.connection import parse_endpoints
 from coordinator.etcd.errors import EtcdUnavailable
 from coordinator.etcd.server import EmbeddedEtcd, free_port
 from coordinator.etcd.session import Session
-from coordinator.etcd.txn import Delete, Empty, First, Get, Put, ValueIs, When, prefix_end
+from coordinator.etcd.txn import (
+    Count,
+    Delete,
+    Empty,
+    First,
+    Get,
+    Never,
+    Put,
+    ValueIs,
+    When,
+    prefix_end,
+)
 from coordinator.etcd.watch import WatchEvent
 from tests.support.processes import unreachable_etcd
 from tests.support.wait import wait_until
@@ -54,8 +65,25 @@ def test_count_by_create_revision_counts_only_earlier_keys(etcd: Etcd) -> None:
 
 def test_put_and_count_is_one_transaction(etcd: Etcd) -> None:
     prefix = etcd.key("b") + "/"
-    counts = [etcd.put_and_count(prefix + str(i), "", 0, prefix)[1] for i in range(3)]
-    assert counts == [1, 2, 3]
+    answers = [etcd.put_and_count(prefix + str(i), "", 0, prefix) for i in range(3)]
+    assert [answer.count for answer in answers] == [1, 2, 3]
+    assert answers[-1].revision == etcd.get(prefix + "2").mod_revision  # type: ignore[union-attr]
+
+
+def test_counts_are_answered_in_order_for_the_branch_that_ran(etcd: Etcd) -> None:
+    """A transaction's counts and reads come apart, in order, from the branch that ran;
+    counts alone are read without a transaction, at one revision."""
+    a, b = etcd.key("ca") + "/", etcd.key("cb") + "/"
+    for key in (a + "1", a + "2", b + "1"):
+        etcd.put(key, "x")
+    alone = etcd.transaction([Count(a), Get(b + "1"), Count(b)])
+    assert alone.counts == [2, 1] and [kv and kv.key for kv in alone.reads] == [b + "1"]
+    ran = etcd.transaction(
+        [Put(a + "3", "y"), Count(a)], when=[Empty(b, prefix_end(b))], otherwise=[Count(b)]
+    )
+    assert not ran.succeeded and ran.counts == [1] and ran.reads == []
+    ran = etcd.transaction([Put(b + "2", "y"), Count(b)], when=[Never(b + "none")])
+    assert not ran.succeeded and ran.counts == [] and etcd.get(b + "2") is None
 
 
 def test_transaction_runs_its_ops_only_when_the_ranges_are_empty(etcd: Etcd) -> None:
