@@ -6,21 +6,8 @@ through the member, from a `command` job's program), so reading trusts nothing:
 a line that is too long, not JSON, of an unknown event or with a field of the
 wrong type or size is no event (`None`), as is plain program output.
 
-| event     | who prints it                 | fields (besides `event`, `t`)                   |
-|-----------|-------------------------------|-------------------------------------------------|
-| `phase`   | every member, per phase       | phase, rank, cleaned_up (`cleaner` only)        |
-| `step`    | steps / mnist trainers        | rank, clock, target, loss (mnist)               |
-| `round`   | xgboost members               | rank, round, rounds, metrics                    |
-| `metrics` | the mnist job's first server  | rank, n, version, samples, accuracy, loss       |
-| `done`    | every member, at the end      | rank, roster, result, timeline                  |
-| `failed`  | a member that fails           | phase, rank, error, message, exit_code          |
-| `report`  | a `command` job's program     | rank (the member's), step, metrics, message     |
-| `output`  | a program line that looked    | stream, line                                    |
-|           | like an event (the member     |                                                 |
-|           | wraps it); `coordinator run`  |                                                 |
-|           | also makes these of plain     |                                                 |
-|           | output                        |                                                 |
-| `exit`    | `coordinator run`'s launcher  | exit_code                                       |
+docs/events.md has the table of events: who prints each and its fields (the
+models below are the contract; that table is their only description).
 
 A program may report `report` events only (`PROGRAM_EVENTS`): its member relays
 each line of the program's output (`coordinator.jobs.relay`), re-emitting a valid

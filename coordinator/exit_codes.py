@@ -1,5 +1,5 @@
-"""The process exit codes every command shares (docs/rendezvous.md's table lists them with the
-member's own; `worker.EXIT_CODES` says what each means)."""
+"""The process exit codes every command shares; `worker.EXIT_CODES`, with the member's
+own, says what each means (`coordinator exit-codes` prints it)."""
 
 EXIT_OK = 0
 EXIT_ERROR = 1

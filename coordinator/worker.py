@@ -46,25 +46,31 @@ from coordinator.rendezvous.errors import (
 from coordinator.rendezvous.member import Member
 from coordinator.rendezvous.roster import check_world_size
 
-#: Exit code -> meaning; part of the CLI's interface (docs/rendezvous.md lists it).
+#: Exit code -> meaning; part of the CLI's interface, and its only table
+#: (`coordinator exit-codes` prints it; the docs point there).
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "the member passed every phase and cleaned up",
     EXIT_ERROR: "an unexpected error (message on stderr)",
-    EXIT_USAGE: "bad arguments",
+    EXIT_USAGE: "bad arguments; the message names the field",
     EXIT_ETCD_UNAVAILABLE: (
         "etcd could not be reached within the connect timeout, or refused the TLS or auth "
-        "settings (the message names which)"
+        "settings: a missing client certificate, an untrusted server, wrong credentials, or "
+        "no permission on the namespace (the message names which; docs/security.md)"
     ),
-    JobFull.exit_code: "the job already has all its members",
-    MemberLost.exit_code: "another member died, lost etcd or failed",
-    RendezvousTimeout.exit_code: "a phase passed its deadline; the message names who was missing",
-    SessionLost.exit_code: "this member lost its own etcd lease and stopped",
-    Unreachable.exit_code: "the leader could not connect to a member's endpoint",
+    JobFull.exit_code: "JobFull: the job already has all its members",
+    MemberLost.exit_code: "MemberLost: another member died, lost etcd or failed",
+    RendezvousTimeout.exit_code: (
+        "RendezvousTimeout: a phase passed its deadline; the message names who was missing"
+    ),
+    SessionLost.exit_code: "SessionLost: this member lost its own etcd lease and stopped",
+    Unreachable.exit_code: "Unreachable: the leader could not connect to a member's endpoint",
     ProgramFailed.exit_code: (
-        "the program (kind command) exited non-zero or was killed; the message names the "
-        "rank and its exit code or signal"
+        "ProgramFailed: the program (kind command) exited non-zero or was killed; the "
+        "message names the rank and its exit code or signal"
     ),
-    EXIT_INTERRUPTED: "stopped by SIGINT or SIGTERM",
+    EXIT_INTERRUPTED: (
+        "stopped by SIGINT or SIGTERM (the member still leaves cleanly and says why)"
+    ),
 }
 
 

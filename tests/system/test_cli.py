@@ -96,7 +96,7 @@ def test_worker_usage_errors_name_the_field(args: list[str], message: str) -> No
 def test_exit_codes_are_listed() -> None:
     result = coordinator("exit-codes")
     assert result.returncode == 0
-    assert "5  another member died" in result.stdout
+    assert "   5  MemberLost: another member died" in result.stdout
 
 
 def test_address_follows_the_route_to_etcd(monkeypatch: pytest.MonkeyPatch) -> None:

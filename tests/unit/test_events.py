@@ -4,6 +4,7 @@ that keeps a `command` job's program from speaking as its member (pure)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -163,3 +164,19 @@ def test_a_program_reports_under_its_members_rank_and_cannot_forge_the_members_e
 def test_launcher_made_events_are_models_too() -> None:
     assert Exit(exit_code=3).exit_code == 3
     assert Output(line="x").stream == "stdout"
+
+
+def test_the_docs_table_names_every_event_and_each_of_its_fields() -> None:
+    """docs/events.md's table is the events' only description: it must not drift."""
+    table = (Path(__file__).parents[2] / "docs" / "events.md").read_text()
+    rows = {
+        line.split("|")[1].strip().strip("`"): line
+        for line in table.splitlines()
+        if line.startswith("| `")
+    }
+    for model in (Phase, Step, Round, Metrics, Done, Failed, Report, Output, Exit):
+        name = model.model_fields["event"].default
+        assert name in rows, f"docs/events.md has no row for `{name}`"
+        missing = [f for f in model.model_fields if f not in ("event", "t")
+                   and f"`{f}`" not in rows[name]]  # fmt: skip
+        assert not missing, f"docs/events.md's `{name}` row lacks {missing}"
