@@ -21,6 +21,7 @@ from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV
 from coordinator.field_error import FieldError
 from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
+from coordinator.jobs.kinds import kind_of
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
 from coordinator.service.images import ImagePolicy
 from coordinator.service.model import JobSpec, Launcher
@@ -101,17 +102,17 @@ def admit_command(spec: JobSpec, roots: Roots, images: ImagePolicy | None = None
     outside the root, or another kind's spec that carries the command fields. On a
     container launcher (`images`: its policy) the folder is the container's, and the
     image must be one the service allows."""
-    if spec.kind != COMMAND:
+    if not kind_of(spec.kind).takes_command:
         for name in COMMAND_FIELDS:
             if name in spec.model_fields_set and getattr(spec, name):
                 raise Refused(name, f"{name}: only a {COMMAND} job takes it, not {spec.kind}")
         return spec
     if not spec.command or not spec.command[0].strip():
-        raise Refused("command", f"command: a {COMMAND} job needs a program: [PROGRAM, ARGS...]")
+        raise Refused("command", f"command: a {spec.kind} job needs a program: [PROGRAM, ARGS...]")
     if spec.launcher not in COMMAND_LAUNCHERS:
         raise Refused(
             "launcher",
-            f"launcher {spec.launcher}: a {COMMAND} job runs on {', '.join(COMMAND_LAUNCHERS)}",
+            f"launcher {spec.launcher}: a {spec.kind} job runs on {', '.join(COMMAND_LAUNCHERS)}",
         )
     if spec.launcher in CONTAINER_LAUNCHERS:
         return _admit_in_container(spec, images)

@@ -49,6 +49,7 @@ from pydantic import (
 
 from coordinator.etcd.users import Credentials, job_user
 from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import kind_of
 from coordinator.keys import PLACEMENT_TOKEN, placements_of
 from coordinator.launch import WorkerCommand
 from coordinator.launch.command import check_gpus
@@ -220,7 +221,7 @@ class Assignment(BaseModel):
             raise ValueError(f"placement {self.placement!r} is not of this run and attempt")
         if self.index >= command.world_size:
             raise ValueError(f"index {self.index} is not below --world-size")
-        is_command = command.kind == COMMAND
+        is_command = command.kind is not None and kind_of(command.kind).takes_command
         if is_command != (self.command is not None):
             raise ValueError(f"a command is given with --kind {COMMAND} only, and it needs one")
         if not is_command and (self.env or self.working_dir):

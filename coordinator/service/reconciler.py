@@ -55,7 +55,6 @@ from coordinator.etcd.users import (
     Credentials,
 )
 from coordinator.etcd.watch import WatchEvent
-from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import kind_of
 from coordinator.keys import Keys
 from coordinator.launch import WorkerCommand
@@ -364,7 +363,7 @@ class Reconciler:
     def _worker_command(self, record: JobRecord, attempt: int) -> WorkerCommand:
         spec = record.spec
         params = kind_of(spec.kind).retry_params(spec.params, attempt)  # e.g. mnist resumes
-        is_command = spec.kind == COMMAND and bool(spec.command)
+        is_command = kind_of(spec.kind).takes_command and bool(spec.command)
         return WorkerCommand(
             job_id=record.id,
             world_size=spec.workers,

@@ -56,7 +56,7 @@ import requests
 from docker.errors import APIError, DockerException, NotFound
 from docker.models.containers import Container
 
-from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import kind_of
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import (
     NOTHING,
@@ -217,7 +217,7 @@ class DockerLauncher:
         """The image of the job's members: a `command` job's own (or the default), if
         allowed (checked at submit; again here, as the record came from etcd: ValueError
         naming the image otherwise); the worker image for the other kinds."""
-        if spec.kind == COMMAND:
+        if kind_of(spec.kind).takes_command:
             return self.images.check(spec.image)
         return self.image
 

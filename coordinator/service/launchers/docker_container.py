@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from coordinator.etcd.security import ENV, EtcdSecurity
-from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import kind_of
 from coordinator.rendezvous.address import endpoint_host, is_loopback
 from coordinator.service.model import JobSpec
 
@@ -77,7 +77,7 @@ def program_settings(spec: JobSpec) -> dict[str, Any]:
     """A `command` member's container settings: the image's `coordinator` as its process
     (whatever the image's own entrypoint), the job's `env` in its environment, its
     `working_dir` as the container's (a folder inside the image). Nothing for other kinds."""
-    if spec.kind != COMMAND:
+    if not kind_of(spec.kind).takes_command:
         return {}
     settings: dict[str, Any] = {"entrypoint": ["coordinator"], "environment": dict(spec.env)}
     if spec.working_dir:

@@ -17,7 +17,7 @@ from typing import Any
 
 from coordinator.deploy import k8s
 from coordinator.etcd.connection import parse_endpoints
-from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import kind_of
 from coordinator.rendezvous.address import endpoint_host, is_loopback
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import Launch
@@ -85,7 +85,7 @@ def attempt_job(
     spec = launch.spec
     # A `command` job's own image, if allowed (checked at submit; again here, as the
     # record came from etcd): ValueError naming it, before the API is asked anything.
-    image = images.check(spec.image) if spec.kind == COMMAND else image
+    image = images.check(spec.image) if kind_of(spec.kind).takes_command else image
     pods = k8s.WorkerPods(
         spec.workers,
         command.job_id,
@@ -111,7 +111,7 @@ def attempt_job(
     if spec.gpus_per_worker > 0:  # whole GPUs per pod, from the device plugin
         limits = worker.setdefault("resources", {}).setdefault("limits", {})
         limits[GPU_RESOURCE] = spec.gpus_per_worker
-    if spec.kind == COMMAND:  # the program's variables and folder, inside the image
+    if kind_of(spec.kind).takes_command:  # the program's variables and folder, inside the image
         # (its name checked at submit: never one the member sets itself)
         taken = {var["name"] for var in worker.get("env", [])}
         worker.setdefault("env", []).extend(

@@ -17,7 +17,6 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel
 
 from coordinator.field_error import FieldError
-from coordinator.jobs import COMMAND
 from coordinator.jobs.kinds import KINDS, KindInfo
 from coordinator.jobs.threads import check_thread_caps
 from coordinator.service.admission import (
@@ -63,9 +62,9 @@ class KindList(BaseModel):
 def submit(spec: JobSpec, request: Request, response: Response, context: Context) -> JobRecord:
     """Submit a job. Safe to retry: the same id with the same spec gives the same job
     (200); with another spec, 409. A `command` job (any program) needs an exec token."""
-    if spec.kind == COMMAND and not may_exec(request):
+    if spec.kind in KINDS and KINDS[spec.kind].needs_exec and not may_exec(request):
         context.metrics.submissions.labels("invalid").inc()
-        raise HTTPException(403, f"a {COMMAND} job runs any program: it needs the exec role")
+        raise HTTPException(403, f"a {spec.kind} job runs any program: it needs the exec role")
     try:
         spec = check_spec(spec, context)
     except HTTPException:

@@ -17,7 +17,7 @@ from sse_starlette.sse import EventSourceResponse
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.watch import WatchEvent
 from coordinator.events import member_own_line, neutralise, split_lines
-from coordinator.jobs import COMMAND
+from coordinator.jobs.kinds import kind_of
 from coordinator.service.context import API, Context, reader, stored_or_404
 from coordinator.service.launchers import WorkerLauncher
 from coordinator.service.model import JobRecord, Member
@@ -75,7 +75,7 @@ async def logs(
     launcher = context.launchers.get(record.spec.launcher)
     if launcher is None:
         raise HTTPException(409, f"job {job_id!r} ran on {record.spec.launcher}, not here")
-    everything = events or record.spec.kind != COMMAND
+    everything = events or not kind_of(record.spec.kind).takes_command
     return StreamingResponse(
         _log_lines(context.store, launcher, record, members, tail, follow, everything),
         media_type="text/plain; charset=utf-8",
