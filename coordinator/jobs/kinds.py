@@ -141,6 +141,8 @@ class JobKind:
     barrier: Barrier | None = None
     needs_exec: bool = False
     takes_command: bool = False
+    #: The keys of a member's result that name a file it wrote (the job's artifacts).
+    artifacts: tuple[str, ...] = ()
 
     def build(self, params: dict[str, str], world_size: int) -> Job:
         """A member's job; raises ValueError naming a bad parameter."""
@@ -285,6 +287,7 @@ KINDS: dict[str, JobKind] = {
             (*catalog.XGBOOST, *catalog.XGBOOST_BOOSTER),
             example={"rounds": "30"},
             charts=("curve",),
+            artifacts=("model_path",),
         ),
         MnistKind(
             "mnist",
@@ -294,6 +297,7 @@ KINDS: dict[str, JobKind] = {
             roles=(RoleSpan(role="server", count_param="ps"), RoleSpan(role="trainer")),
             charts=("curve", "clocks"),
             barrier=Barrier(default_method="bsp"),
+            artifacts=("model_path",),
         ),
         CommandKind(
             COMMAND,

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
+from coordinator.jobs.kinds import kind_of
 from coordinator.service.launchers import VANISHED, WorkerLauncher
 from coordinator.service.model import JobRecord, Member
 from coordinator.service.output_reads import OutputReads
@@ -54,7 +55,7 @@ class Follower:
                 update["phase"] = "done"
                 if (address := event.address) is not None:
                     update["address"] = _text(address, 300)
-                self._note_result(record.id, event.result)
+                self._note_result(record, event.result)
             elif isinstance(event, Round | Step | Report):
                 self._note_progress(record.id, event)
         if member.exit_code is None:
@@ -72,9 +73,12 @@ class Follower:
             reported = {"step": event.step, "total": event.total, "metrics": event.metrics}
             pending.update({k: v for k, v in reported.items() if v is not None and v != {}})
 
-    def _note_result(self, job_id: str, result: dict[str, Any]) -> None:
-        found = {k: str(v) for k, v in result.items() if k.endswith("_path") and v}
-        self._pending_progress.setdefault(job_id, {}).setdefault("artifacts", {}).update(found)
+    def _note_result(self, record: JobRecord, result: dict[str, Any]) -> None:
+        """The files the member's result names, as its kind declares them."""
+        named = kind_of(record.spec.kind).artifacts
+        found = {k: str(v) for k, v in result.items() if k in named and v}
+        pending = self._pending_progress.setdefault(record.id, {})
+        pending.setdefault("artifacts", {}).update(found)
 
     def progress(self, record: JobRecord) -> dict[str, Any] | None:
         """What to write about the job's progress now (None: nothing, or not yet)."""
