@@ -172,7 +172,15 @@ class JobKind:
         return {**default, **params}
 
     def role(self, params: dict[str, str], rank: int) -> str:
-        """What `rank` does, from `roles`; a count that is not a number counts its default."""
+        """What `rank` does, from `roles` (a count that is not a number counts its
+        default), and whether it is the slowed one (`straggler_rank`): the dashboard's."""
+        said = [self._span_role(params, rank)]
+        if params.get("straggler_rank", "").strip() == str(rank):
+            factor = params.get("straggler_factor") or self._default("straggler_factor")
+            said.append(f"straggler {factor or '?'}x")
+        return ", ".join(part for part in said if part)
+
+    def _span_role(self, params: dict[str, str], rank: int) -> str:
         start = 0
         for span in self.roles:
             if span.count_param is None:
@@ -185,6 +193,9 @@ class JobKind:
                 return span.role
             start += count
         return ""
+
+    def _default(self, name: str) -> str | None:
+        return next((p.default for p in self.params if p.name == name), None)
 
     def describe(self) -> KindInfo:
         return KindInfo(

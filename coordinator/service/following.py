@@ -44,8 +44,10 @@ class Follower:
         update: dict[str, Any] = {}
         for event in member_events(complete):
             rank = getattr(event, "rank", None)
-            if rank is not None and rank < record.spec.workers:
+            if rank is not None and rank < record.spec.workers and rank != member.rank:
                 update["rank"] = rank
+                role = kind_of(record.spec.kind).role(record.spec.params, rank)
+                update["role"] = _text(role, 100)
             if isinstance(event, Phase):
                 update["phase"] = event.phase
             elif isinstance(event, Failed):

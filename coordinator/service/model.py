@@ -226,6 +226,7 @@ class Member(BaseModel):
     # stored; the launcher checks it again before it opens anything.
     log: str | None = None
     rank: Annotated[int, Field(ge=0)] | None = None  # the rendezvous' (< workers)
+    role: Annotated[str, Field(max_length=100)] | None = None  # what its rank does (the kind's)
     address: Annotated[str, Field(max_length=300)] | None = None
     phase: Annotated[str, Field(max_length=200)] = "starting"
     exit_code: ExitCode | None = None

@@ -44,6 +44,9 @@ def test_each_kinds_roles_by_rank() -> None:
     assert mnist.role({"ps": "x"}, 1) == "trainer"  # not a number: its default count
     for name in ("noop", "steps", "xgboost", "command"):
         assert {KINDS[name].role({"ps": "3"}, rank) for rank in range(4)} == {"worker"}
+    slowed = {"straggler_rank": "2", "straggler_factor": "3"}
+    assert [mnist.role(slowed, rank) for rank in (1, 2)] == ["trainer", "trainer, straggler 3x"]
+    assert steps.role({"straggler_rank": "0"}, 0) == "worker, straggler 1x"  # its default
     assert steps.barrier_params({"staleness": "2"}) == {"staleness": "2"}  # no default method
     assert mnist.barrier_params({}) == {"method": "bsp"}
     assert mnist.barrier_params({"method": "ssp"}) == {"method": "ssp"}
