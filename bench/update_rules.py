@@ -9,7 +9,7 @@ at its first evaluation at the target, or after its epochs.
 
     python bench/update_rules.py                   # defaults vs plain, digits (~90 min)
     python bench/update_rules.py --part rules      # every rule for every method (~40 min)
-    python bench/update_rules.py --part fashion    # Fashion-MNIST, P=16 and 64 (~3 h)
+    python bench/update_rules.py --part fashion    # Fashion-MNIST, P=16 and 64 (~52 min)
     python bench/update_rules.py --part lr --settings 2   # the lr at P=16 (~17 min)
     python bench/update_rules.py --part fashion --settings 2 --seeds 3 --batch 32
 
