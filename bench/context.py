@@ -47,6 +47,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from coordinator.barriers.arguments import barrier_spec
 from coordinator.barriers.live import LiveBarrier
 from coordinator.barriers.policy import BarrierSpec
 from coordinator.context import Context
@@ -56,7 +57,6 @@ from coordinator.etcd.scope import Scope
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.keys import job_path
-from coordinator.program_steps import check_steps
 from coordinator.rendezvous.member import Member
 
 console = Console(width=150)
@@ -116,10 +116,7 @@ def member(
     With `proxied` both user paths run in a program process of the member's own (as a
     `command` job's program does), the proxy in the member: they share no interpreter."""
     args = method_args(method, beta)
-    spec, _ = check_steps(
-        method, args.get("staleness", 0), args.get("sample", 0),
-        args.get("staleness_upper", 0), "fail", p,
-    )  # fmt: skip
+    spec = barrier_spec(method, **args, stepping=p)
     runs: dict[str, list[tuple[float, float, float]]] = {"builtin": [], "user": [], "proxied": []}
     with (
         Etcd(endpoint, namespace=namespace) as etcd,

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch.nn import functional
 
+from coordinator.barriers.arguments import barrier_list
 from coordinator.datasets.mnist import parse_mnist
 from coordinator.ps.optim import OptimizerSpec
-from coordinator.simulator.spec import parse_barriers
 from coordinator.simulator.training import initial_weights, train
 from coordinator.simulator.training_data import TrainingData
 
@@ -64,7 +64,7 @@ def main(
     test_rows: Annotated[int, typer.Option(min=1)] = 10_000,
     seed: int = 0,
 ) -> None:
-    specs = parse_barriers(methods)
+    specs = barrier_list(methods)
     optimizer = OptimizerSpec("sgd", 0.02, momentum=0.9)
     began = time.perf_counter()
     shards = TrainingData.load(parse_mnist(data), workers, test_rows=test_rows)

@@ -79,7 +79,7 @@ def clocked(
 
 
 def scale(seed: int, timing: SampleTiming, sizes: list[int], barriers: str, old: bool) -> None:
-    from coordinator.simulator.spec import parse_barriers
+    from coordinator.barriers.arguments import barrier_list
 
     console = Console()
     before = old_engine() if old else None
@@ -95,7 +95,7 @@ def scale(seed: int, timing: SampleTiming, sizes: list[int], barriers: str, old:
         table.add_column("cpu s", justify="right")
         table.add_column("new/old cpu", justify="right")
     worst = 0.0
-    for spec in parse_barriers(barriers):
+    for spec in barrier_list(barriers):
         row = [str(spec)]
         new_cpu = []
         for size in sizes:

@@ -44,11 +44,11 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from coordinator.barriers.arguments import barrier_list  # noqa: E402
 from coordinator.barriers.policy import BarrierSpec, Method  # noqa: E402
 from coordinator.simulator import train_report  # noqa: E402
 from coordinator.simulator.delays import parse_delay  # noqa: E402
 from coordinator.simulator.engine import simulate  # noqa: E402
-from coordinator.simulator.spec import parse_barriers  # noqa: E402
 
 console = Console(width=170)
 DSSP_METHODS = "bsp,ssp:3,asp,pbsp:1,pssp:3:1,dssp:3:12,bsp-agg"
@@ -76,7 +76,7 @@ def specs_of(text: str) -> list[tuple[BarrierSpec, bool]]:
         if item == "bsp-agg":
             out.append((BarrierSpec(Method.BSP), True))
         else:
-            out.append((parse_barriers(item)[0], False))
+            out.append((barrier_list(item)[0], False))
     return out
 
 
@@ -286,7 +286,7 @@ def part_steps(args, out: Path, record: dict) -> None:
     for delay_text in ("exp:1,1", PSP_DELAY):
         delay = parse_delay(delay_text)
         for item in ["asp", *psp_methods(args.betas).split(",")]:
-            spec = parse_barriers(item)[0]
+            spec = barrier_list(item)[0]
             rates, gaps, waits = [], [], []
             for seed in range(args.step_seeds):
                 result = simulate(spec, PSP_WORKERS, args.step_seconds, delay, seed)

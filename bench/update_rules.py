@@ -106,15 +106,15 @@ Job = tuple[Setting, str, str | None, float, int]
 
 def _run(job: Job) -> dict:
     """One simulated run: (setting, method, rule or None for the default, lr, seed)."""
+    from coordinator.barriers.arguments import barrier_list
     from coordinator.ps.optim import OptimizerSpec
     from coordinator.ps.rules import UpdateRule
     from coordinator.simulator import training
     from coordinator.simulator.delays import parse_delay
-    from coordinator.simulator.spec import parse_barriers
 
     setting, method, rule, lr, seed = job
     aggregate = method == "bsp-agg"
-    spec = BarrierSpec(Method.BSP) if aggregate else parse_barriers(method)[0]
+    spec = BarrierSpec(Method.BSP) if aggregate else barrier_list(method)[0]
     data = _data(setting.data, setting.workers, setting.test_rows)
     delay = parse_delay(setting.delay)
     batch = setting.batch_size

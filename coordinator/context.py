@@ -33,13 +33,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from coordinator.barriers.arguments import barrier_spec, on_loss_of
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.connection import UNIX
 from coordinator.etcd.names import check_name
 from coordinator.etcd.security import EtcdSecurity
 from coordinator.events import REPORTS_FD_ENV, Report, write_line
 from coordinator.keys import job_path
-from coordinator.program_steps import Steps, check_ranks, check_steps, check_stop
+from coordinator.program_steps import Steps, check_ranks, check_stop
 from coordinator.rendezvous.attached import AttachedMember
 from coordinator.rendezvous.roster import RosterFile
 
@@ -213,7 +214,8 @@ class Context:
         all; a parameter server's trainers, say). Losing a rank outside them fails the
         steps whatever `on_loss` says."""
         stepping = check_ranks(ranks, self.rank, self.world_size)
-        spec, loss = check_steps(method, staleness, sample, staleness_upper, on_loss, len(stepping))
+        spec = barrier_spec(method, staleness, sample, staleness_upper, stepping=len(stepping))
+        loss = on_loss_of(on_loss)
         target = check_stop(num_steps, last_step, start)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")

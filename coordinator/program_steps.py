@@ -1,6 +1,7 @@
 """A program's step barrier: the handle `Context.steps()` returns, and the checks of
-its arguments (each error names the argument), apart from the context so that the
-loop's contract reads on its own.
+its stop and stepping ranks (each error names the argument; the barrier's own are
+`barriers.arguments`'), apart from the context so that the loop's contract reads on
+its own.
 """
 
 from __future__ import annotations
@@ -8,38 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from coordinator.barriers.live import LiveBarrier, OnLoss, Passage
-from coordinator.barriers.policy import BarrierSpec, Method
+from coordinator.barriers.policy import BarrierSpec
 from coordinator.rendezvous.attached import AttachedMember
-
-
-def check_steps(
-    method: str, staleness: int, sample: int, staleness_upper: int, on_loss: str, world: int
-) -> tuple[BarrierSpec, OnLoss]:
-    """The barrier's spec, or a ValueError naming the bad argument."""
-    try:
-        chosen = Method(str(method).lower())
-    except ValueError:
-        raise ValueError(
-            f"method={method!r} is not one of {', '.join(m.value for m in Method)}"
-        ) from None
-    for name, value in (
-        ("staleness", staleness),
-        ("sample", sample),
-        ("staleness_upper", staleness_upper),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    if sample > world - 1:
-        raise ValueError(f"sample={sample} is larger than the {world - 1} other stepping members")
-    try:
-        spec = BarrierSpec(chosen, staleness, sample, staleness_upper).validate()
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
-    try:
-        loss = OnLoss(on_loss)
-    except ValueError:
-        raise ValueError(f"on_loss={on_loss!r} is not fail or continue") from None
-    return spec, loss
 
 
 def check_ranks(ranks: Iterable[int] | None, rank: int, world: int) -> frozenset[int]:

@@ -40,6 +40,11 @@ class Method(StrEnum):
     DSSP = "dssp"
 
 
+class OnLoss(StrEnum):
+    FAIL = "fail"  # a lost peer fails the job at once, naming it
+    CONTINUE = "continue"  # a lost peer leaves the barrier set; the rest carry on
+
+
 class SampleTiming(StrEnum):
     PER_STEP = "per-step"  # one sample for the whole wait (the live barrier)
     PER_CHECK = "per-check"  # a fresh sample at every re-check (the PSP authors' simulator)

@@ -152,15 +152,15 @@ def simulate_barriers(
         )  # fmt: skip
         return
 
+    from coordinator.barriers.arguments import barrier_list
     from coordinator.barriers.policy import SampleTiming
     from coordinator.simulator import engine, report
     from coordinator.simulator.delays import parse_delay
-    from coordinator.simulator.spec import parse_barriers
 
     directory = pathlib.Path(out)
 
     try:
-        specs = parse_barriers(barrier, staleness, sample, staleness_upper)
+        specs = barrier_list(barrier, staleness, sample, staleness_upper)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--barrier") from None
     try:

@@ -71,9 +71,9 @@ def _bad(message: str, option: str) -> typer.BadParameter:
 
 
 def run(options: Options) -> None:
+    from coordinator.barriers.arguments import barrier_list
     from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming
     from coordinator.simulator.delays import parse_delay
-    from coordinator.simulator.spec import parse_barriers
 
     if options.model.strip().lower() not in MODELS:
         raise _bad(
@@ -83,7 +83,7 @@ def run(options: Options) -> None:
     items = [item.strip() for item in options.barrier.split(",")]
     plain = [item for item in items if item.lower() != AGGREGATE]
     try:
-        parsed = iter(parse_barriers(",".join(plain), options.staleness, options.sample,
+        parsed = iter(barrier_list(",".join(plain), options.staleness, options.sample,
                                      options.staleness_upper) if plain else [])  # fmt: skip
     except ValueError as exc:
         raise _bad(str(exc), "--barrier") from None

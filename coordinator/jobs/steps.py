@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from coordinator.barriers.arguments import barrier_from_params
 from coordinator.barriers.live import LiveBarrier, OnLoss
-from coordinator.barriers.policy import BarrierSpec, Method
+from coordinator.barriers.policy import BarrierSpec
 from coordinator.events import Step, emit
 from coordinator.jobs import catalog
 from coordinator.jobs.params import check_known, float_param, int_param
@@ -54,31 +55,10 @@ class StepOptions:
 
 def parse_barrier(job: str, params: dict[str, str]) -> tuple[BarrierSpec, OnLoss]:
     """The barrier method and what a lost peer does; a ValueError names the bad field."""
-    if "method" not in params:
-        raise ValueError(f"{job} job: parameter method is required (bsp|ssp|asp|pbsp|pssp|dssp)")
     try:
-        method = Method(params["method"].lower())
-    except ValueError:
-        raise ValueError(
-            f"{job} job: parameter method={params['method']!r} is not one of "
-            f"{', '.join(m.value for m in Method)}"
-        ) from None
-    staleness, sample, upper = (
-        int_param(job, params, name) or 0 for name in ("staleness", "sample", "staleness_upper")
-    )
-    try:
-        spec = BarrierSpec(
-            method, staleness=staleness, sample=sample, staleness_upper=upper
-        ).validate()
+        return barrier_from_params(params)
     except ValueError as exc:
         raise ValueError(f"{job} job: {exc}") from None
-    try:
-        on_loss = OnLoss(params.get("on_loss", "fail"))
-    except ValueError:
-        raise ValueError(
-            f"{job} job: parameter on_loss={params['on_loss']!r} is not fail or continue"
-        ) from None
-    return spec, on_loss
 
 
 def parse_stop(

@@ -103,12 +103,12 @@ def check_affordable(workers: int, seconds: float, methods: int, model: DelayMod
 def simulate_methods(request: dict[str, Any]) -> dict[str, Any]:
     """The work of one request (in the spawned process): each method's summary and final
     steps, as plain data."""
+    from coordinator.barriers.arguments import barrier_list
     from coordinator.simulator import engine, report
-    from coordinator.simulator.spec import parse_barriers
 
     model = parse_api_delay(request["delay"])
     methods = []
-    for spec in parse_barriers(request["barrier"], None, None, None):
+    for spec in barrier_list(request["barrier"], None, None, None):
         result = engine.simulate(
             spec, request["workers"], request["seconds"], model, seed=request["seed"]
         )

@@ -1,4 +1,4 @@
-"""The chaos soak (bench/chaos.py): the whole product on a 3-member etcd while things die.
+"""The chaos soak (tests/support/chaos.py): the whole product on a 3-member etcd while things die.
 
 Two replicas of the service, three agents and a real etcd cluster, jobs of every
 kind submitted at a steady rate, and one fault after another: the service leader,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import FAULTS, print_report, soak
+from tests.support.chaos import FAULTS, print_report, soak
 
 
 @pytest.mark.slow  # 90 s; the kill drill is in the default suite

@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from coordinator.barriers.arguments import barrier_spec, on_loss_of
 from coordinator.context import Context, NotInJob
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.program_steps import check_ranks, check_steps, check_stop
+from coordinator.program_steps import check_ranks, check_stop
 from tests.support.commands import GRACE, PROGRAMS, TTL, Run, command_worker, rank_results
 from tests.support.processes import Proc, wait_all
 from tests.support.service import ServiceProc, wait_state
@@ -215,8 +216,8 @@ def test_bad_step_arguments_are_named_before_any_etcd_write(
 ) -> None:
     args = {"staleness": 0, "sample": 0, "staleness_upper": 0, "on_loss": "fail", **kwargs}
     with pytest.raises(ValueError, match=named):
-        check_steps(args["method"], args["staleness"], args["sample"],
-                    args["staleness_upper"], args["on_loss"], 3)  # fmt: skip
+        on_loss_of(args.pop("on_loss"))
+        barrier_spec(**args, stepping=3)
     with pytest.raises(ValueError, match="num_steps"):
         check_stop(-1, None, 0)
 

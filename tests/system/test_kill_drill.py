@@ -1,4 +1,4 @@
-"""The kill drill, short: ten seeded trials of bench/drill.py against the suite's etcd.
+"""The kill drill, short: ten seeded trials (tests/support/drill.py) against the suite's etcd.
 
 Each trial starts real `coordinator worker` processes with random start delays,
 SIGKILLs a random one a random moment after it reaches a stage (start-up, each
@@ -6,8 +6,8 @@ rendezvous phase, the job), and checks the failure semantics of docs/rendezvous.
 documented exit codes only, the ranked members fail within TTL + 2 s of a ranked
 member's death, no rendezvous key outlives the TTL. A member killed before it took
 a rank leaves the others unable to elect N ranks: they fail at the phase deadline
-(6, or 5 repeating it). bench/drill.py says why each rule holds and runs the long
-version (`python bench/drill.py --trials 100`); a failing trial runs again alone with
+(6, or 5 repeating it). tests/support/drill.py says why each rule holds; the long
+version is `python bench/drill.py --trials 100`; a failing trial runs again alone with
 `python bench/drill.py --seed 13 --trial K`.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.drill import STAGES, DrillConfig, plan, run_trial
 from coordinator.etcd.server import EmbeddedEtcd
+from tests.support.drill import STAGES, DrillConfig, plan, run_trial
 
 SEED = 13
 TRIALS = 10

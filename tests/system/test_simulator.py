@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator.barriers.arguments import barrier_list
 from coordinator.barriers.policy import BarrierSpec, Method, SampleTiming, draw_sample
 from coordinator.simulator.delays import (
     Gamma,
@@ -24,7 +25,6 @@ from coordinator.simulator.delays import (
 )
 from coordinator.simulator.engine import Result, simulate
 from coordinator.simulator.report import write_csv
-from coordinator.simulator.spec import parse_barriers
 from coordinator.simulator.strategies import _Others
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,8 +251,8 @@ def test_trace_errors_name_file_and_row(tmp_path, text, message):
 # --- barrier list and report ------------------------------------------------------------------
 
 
-def test_parse_barriers_list_and_flags():
-    specs = parse_barriers("bsp,asp,ssp:4,pbsp:10,pssp:4:10,dssp:2:6")
+def test_barrier_list_and_flags():
+    specs = barrier_list("bsp,asp,ssp:4,pbsp:10,pssp:4:10,dssp:2:6")
     assert [str(s) for s in specs] == [
         "bsp",
         "asp",
@@ -261,13 +261,13 @@ def test_parse_barriers_list_and_flags():
         "pssp(s=4, beta=10)",
         "dssp(S_L=2, S_U=6)",
     ]
-    assert parse_barriers("pssp", staleness=4, sample=10) == [BarrierSpec(Method.PSSP, 4, 10)]
+    assert barrier_list("pssp", staleness=4, sample=10) == [BarrierSpec(Method.PSSP, 4, 10)]
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("bsp,foo", "item 2.*method must be one of"),
+        ("bsp,foo", "item 2.*method='foo' is not one of"),
         ("ssp:x", "staleness must be an integer"),
         ("pssp:4", "expected pssp:STALENESS:SAMPLE"),
         ("pssp", "staleness missing"),
@@ -275,9 +275,9 @@ def test_parse_barriers_list_and_flags():
         ("dssp:4:2", "staleness_upper"),
     ],
 )
-def test_parse_barriers_errors_name_the_field(text, message):
+def test_barrier_list_errors_name_the_field(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_barriers(text)
+        barrier_list(text)
 
 
 def test_csv_has_a_method_column_only_for_several_methods(tmp_path):
@@ -359,7 +359,7 @@ def _fingerprint(r: Result) -> str:
 )
 def test_runs_match_the_engine_before_the_scale_rewrite(barrier, timing, expected):
     """Fingerprints recorded with the O(P)-scan engine (commit ba3c2a6): bit for bit."""
-    (spec,) = parse_barriers(barrier)
+    (spec,) = barrier_list(barrier)
     delay = (
         Stragglers(0.1, 3)
         if timing == SampleTiming.PER_CHECK

@@ -24,8 +24,9 @@ from coordinator.barriers.live.asp import ASP_PUBLISH_SECONDS, AspBarrier
 from coordinator.barriers.live.base import LiveBarrier
 from coordinator.barriers.live.full_view import FullViewBarrier
 from coordinator.barriers.live.ordered import OrderedBarrier
-from coordinator.barriers.live.records import DONE, Clock, Counters, OnLoss, Passage
+from coordinator.barriers.live.records import DONE, Clock, Counters, Passage
 from coordinator.barriers.live.sampled import MAX_TXN_OPS, SampledBarrier
+from coordinator.barriers.policy import OnLoss
 
 __all__ = [
     "ASP_PUBLISH_SECONDS",

@@ -32,8 +32,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-from coordinator.barriers.live.records import Clock, Counters, OnLoss, Passage
-from coordinator.barriers.policy import BarrierSpec, Method
+from coordinator.barriers.live.records import Clock, Counters, Passage
+from coordinator.barriers.policy import BarrierSpec, Method, OnLoss
 from coordinator.etcd.errors import LeaseNotFound
 from coordinator.etcd.values import json_object
 from coordinator.etcd.watch import Watch, WatchEvent

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from coordinator.keys import LEVEL_DIGITS
 
 DONE = 10**12 - 1  # the clock of a finished worker (its order level, its `at` value): above all
-
-
-class OnLoss(StrEnum):
-    FAIL = "fail"  # a lost peer fails the job at once, naming it
-    CONTINUE = "continue"  # a lost peer leaves the barrier set; the rest carry on
 
 
 @dataclass(frozen=True)

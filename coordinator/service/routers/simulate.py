@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from coordinator.barriers.arguments import barrier_list
 from coordinator.service import simulation
 from coordinator.service.boundary import GONE_KEY
 from coordinator.service.context import API, Context, invalid, invalid_fields, submitter
 from coordinator.service.model import Simulation, SimulationRequest
-from coordinator.simulator.spec import parse_barriers
 
 router = APIRouter()
 
@@ -36,7 +36,7 @@ async def simulate(request: SimulationRequest, http: Request, context: Context) 
     """Run the simulator (no etcd, virtual workers) for each method asked for, in a
     process of its own; refused (422) above its step budget."""
     try:
-        specs = parse_barriers(request.barrier, None, None, None)
+        specs = barrier_list(request.barrier, None, None, None)
     except ValueError as exc:
         raise invalid(["barrier"], str(exc)) from None
     try:
