@@ -70,16 +70,13 @@ def barrier_spec(
     return spec
 
 
-def barrier_from_params(
-    params: Mapping[str, str], stepping: int | None = None
-) -> tuple[BarrierSpec, OnLoss]:
+def barrier_from_params(params: Mapping[str, str]) -> tuple[BarrierSpec, OnLoss]:
     """A job's barrier parameters (text): `method` (required), its counts, `on_loss`."""
     if "method" not in params:
         raise ValueError(f"parameter method is required ({METHODS})")
     spec = barrier_spec(
         params["method"],
         *(params.get(name, 0) for name in ("staleness", "sample", "staleness_upper")),
-        stepping=stepping,
     )
     return spec, on_loss_of(params.get("on_loss", "fail"))
 
