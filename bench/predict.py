@@ -23,7 +23,7 @@ sample per step, as the live barrier does), and predicts:
     python bench/predict.py --replot --out docs/methods/live
     python bench/predict.py --methods all --seeds 3 --trainers 3 --epochs 5 \
         --straggler on --targets 0.85,0.9 --out docs/methods/live_defaults   # at the
-        # defaults (docs/methods/update_rules.md), ~29 min
+        # defaults (docs/methods/update_rules.md), ~35 min
 
 The optimizer is the job's default (SGD lr 0.02, momentum 0.9, each method's default
 update rule, docs/methods/update_rules.md) unless --lr, --momentum or --update-rule say
