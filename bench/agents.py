@@ -44,11 +44,11 @@ from api import NAMESPACE, Service, console, through_service  # bench/api.py
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.etcd.session import Session
-from coordinator.service.agent_protocol import AgentRecord
-from coordinator.service.launchers.agents import AgentsLauncher
-from coordinator.service.leadership import Leadership
+from coordinator.service.control.leadership import Leadership
+from coordinator.service.control.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.model import JobSpec, JobState, Launcher
-from coordinator.service.reconciler import Reconciler, ReconcilerSettings
+from coordinator.service.placement.agents_launcher import AgentsLauncher
+from coordinator.service.placement.protocol import AgentRecord
 from coordinator.service.store import JobStore
 from tests.support.signing import key_files, session_signer
 from tests.support.wait import wait_until

@@ -21,7 +21,7 @@ as a subprocess (`--max-workers` = the run's N), `coordinator worker` processes.
    the runs. *Running* is what the service calls RUNNING: every member passed the
    `connect` phase. Service: from sending the POST to the first record (its SSE
    stream) whose N members all show a phase past `connect`. Baseline: `coordinator
-   run`'s own launcher (`coordinator.launch.piped.LocalLauncher`, the same worker
+   run`'s own launcher (`coordinator.launch.piped.PipedLauncher`, the same worker
    arguments), in this process, from starting it to the N-th member's `connect` event
    on its stdout: `coordinator run` without its interpreter's start-up, which the
    service, already running, does not pay either. Also the whole run: to SUCCEEDED
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coordinator.etcd.server import EmbeddedEtcd
 from coordinator.events import Exit, Phase
 from coordinator.launch import WorkerCommand
-from coordinator.launch.piped import LocalLauncher
+from coordinator.launch.piped import PipedLauncher
 from tests.support.service import ServiceProc, kill_members, wait_state
 from tests.support.wait import WaitTimeout
 
@@ -290,7 +290,7 @@ def through_launcher(endpoint: str, workers: int) -> tuple[float, float]:
         params={"seconds": "0"},
     )  # fmt: skip  (what `coordinator run` gives its workers)
     began = time.perf_counter()
-    launcher = LocalLauncher(workers, command)
+    launcher = PipedLauncher(workers, command)
     try:
         connected, exited, running = 0, 0, None
         deadline = time.monotonic() + 120

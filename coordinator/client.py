@@ -277,7 +277,7 @@ def local_token(server: str) -> tuple[str | None, str]:
     made, and where it came from (or where it was looked for); ValueError naming a file
     found but open to others or malformed."""
     from coordinator.rendezvous.address import is_loopback
-    from coordinator.service.auth import GENERATED_TOKEN_FILE, find_token
+    from coordinator.service.rest.auth import GENERATED_TOKEN_FILE, find_token
 
     if not is_loopback(urlsplit(server).hostname or ""):
         return None, f"none given, and {server} is not on this host: give one"

@@ -86,10 +86,10 @@ def agent(
     run_as: RunAsOption = None,
 ) -> None:
     """Register with etcd and run the members assigned to this agent; SIGTERM drains."""
+    from coordinator.agent.daemon import Agent, AgentOptions
+    from coordinator.agent.records import AgentTaken
     from coordinator.etcd.names import check_name
     from coordinator.launch import parse_gpus
-    from coordinator.service.agent import Agent, AgentOptions
-    from coordinator.service.agent_records import AgentTaken
     from coordinator.signing import load_public_key
 
     if service_key is None:

@@ -196,7 +196,7 @@ def api_token(
     """Add a new API token of ROLE to a token file, and print it. Start the service with
     `coordinator serve --token-file FILE` to accept it."""
     from coordinator.client import DATA_ENV, DEFAULT_DATA_DIR
-    from coordinator.service.auth import GENERATED_TOKEN_FILE, Role, add_token
+    from coordinator.service.rest.auth import GENERATED_TOKEN_FILE, Role, add_token
 
     if role not in Role.__members__.values():
         raise typer.BadParameter(f"{role!r} is not read, submit or exec", param_hint="ROLE")

@@ -51,7 +51,7 @@ from coordinator.jobs.private_folder import make_private_folder
 from coordinator.jobs.threads import check_thread_caps, thread_cap
 from coordinator.keys import job_path
 from coordinator.launch import WorkerCommand
-from coordinator.launch.piped import LocalLauncher
+from coordinator.launch.piped import PipedLauncher
 from coordinator.rendezvous.address import ADVERTISE_ENV
 from coordinator.worker import EXIT_INTERRUPTED, WorkerOptions, run_worker
 
@@ -266,7 +266,7 @@ def run(
                 program=tuple(program or ()) if kind_name == COMMAND else None,  # as given
             )
             console.print(f"job [bold]{job_id}[/bold]: {workers} {kind_name} workers")
-            launcher = LocalLauncher(workers, command, echo=kind_name == COMMAND)
+            launcher = PipedLauncher(workers, command, echo=kind_name == COMMAND)
             try:
                 if kind_name == COMMAND:  # the programs' output, and no deadline on training
                     echo(launcher)

@@ -13,14 +13,14 @@ from rich.progress import MofNCompleteColumn, Progress, TaskID
 
 from coordinator.cli.options import console, folding_table, progress_bar
 from coordinator.events import Metrics, Output, Phase, Report, Round, Step
-from coordinator.launch.piped import LocalLauncher, LocalWorker
+from coordinator.launch.piped import PipedLauncher, PipedWorker
 from coordinator.rendezvous.errors import MemberLost
 
 #: The phases every worker passes, a bar each.
 PHASES = ["leader_election", "ip_exchange", "connect", "training", "cleaner"]
 
 
-def follow(launcher: LocalLauncher, deadline: float) -> None:
+def follow(launcher: PipedLauncher, deadline: float) -> None:
     """A bar per phase that every worker passes, and the training's progress, until the
     workers end or `deadline` (monotonic) passes."""
     n = len(launcher.workers)
@@ -49,7 +49,7 @@ def follow(launcher: LocalLauncher, deadline: float) -> None:
                 _follow_steps(progress, tasks, event, clocks)
 
 
-def echo(launcher: LocalLauncher) -> None:
+def echo(launcher: PipedLauncher) -> None:
     """Show the programs' output lines, each prefixed with its rank, as they come, and
     their reports as one bar: every rank's latest step of its total, and the latest
     metrics. Report lines are printed too where the output is not a terminal (a log)."""
@@ -102,7 +102,7 @@ def _follow_steps(
         progress.update(tasks["steps"], description=f"steps, test accuracy {event.accuracy:.4f}")
 
 
-def report(workers: list[LocalWorker]) -> int:
+def report(workers: list[PipedWorker]) -> int:
     """The roster of a run that passed, or why each worker failed; the run's exit code."""
     done = [(w, w.done) for w in workers if w.exit_code == 0 and w.done]
     if done:
@@ -130,13 +130,13 @@ def report(workers: list[LocalWorker]) -> int:
     return 0
 
 
-def cause_first(workers: list[LocalWorker]) -> Callable[[LocalWorker], tuple[bool, bool, int]]:
+def cause_first(workers: list[PipedWorker]) -> Callable[[PipedWorker], tuple[bool, bool, int]]:
     """The order failed workers are told in: the rank whose program failed first (any
     worker's `culprit`), then those that failed of their own, then those that only lost
     a peer."""
     culprits = {w.failed.culprit for w in workers if w.failed and w.failed.culprit is not None}
 
-    def key(w: LocalWorker) -> tuple[bool, bool, int]:
+    def key(w: PipedWorker) -> tuple[bool, bool, int]:
         lost = w.failed is not None and w.failed.error == MemberLost.__name__
         return (w.rank not in culprits, lost, w.index)
 

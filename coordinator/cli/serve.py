@@ -29,8 +29,8 @@ from coordinator.jobs.threads import MAX_THREADS_ENV, host_cores
 from coordinator.launch import parse_gpus
 from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
 from coordinator.rendezvous.address import is_loopback
-from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
 from coordinator.service.model import Launcher
+from coordinator.service.placement.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
 
 
 # The types of serve's options that share a wording: the folders submitted paths must be
@@ -184,10 +184,10 @@ def serve(
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
     from coordinator.etcd.errors import EtcdError
-    from coordinator.service import server
-    from coordinator.service.auth import GENERATED_TOKEN_FILE, Tokens, generated_tokens
     from coordinator.service.embedded import ServiceEtcd
     from coordinator.service.launchers import LauncherUnavailable
+    from coordinator.service.rest import server
+    from coordinator.service.rest.auth import GENERATED_TOKEN_FILE, Tokens, generated_tokens
     from coordinator.service.runner import Service, ServiceOptions
 
     # Exported into the environment. Without --etcd, the service is root of its own etcd,

@@ -37,7 +37,7 @@ from coordinator.launch.local import start_process
 
 
 @dataclass
-class LocalWorker:
+class PipedWorker:
     index: int
     process: subprocess.Popen[bytes]
     rank: int | None = None
@@ -51,18 +51,18 @@ class LocalWorker:
         return self.process.poll()
 
 
-class LocalLauncher:
+class PipedLauncher:
     """Spawns `n` copies of `command`; `events` yields their progress (and, with `echo`,
     their other output lines as `output` events: a program's)."""
 
     def __init__(self, n: int, command: WorkerCommand, echo: bool = False) -> None:
         self.echo = echo
         self.events: queue.Queue[tuple[int, MemberEvent]] = queue.Queue()
-        self.workers: list[LocalWorker] = []
+        self.workers: list[PipedWorker] = []
         try:
             for index in range(n):
                 process = start_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                worker = LocalWorker(index, process)
+                worker = PipedWorker(index, process)
                 self.workers.append(worker)
                 threading.Thread(target=self._read_events, args=(worker,), daemon=True).start()
                 threading.Thread(
@@ -72,7 +72,7 @@ class LocalLauncher:
             self.stop()
             raise
 
-    def _read_events(self, worker: LocalWorker) -> None:
+    def _read_events(self, worker: PipedWorker) -> None:
         assert worker.process.stdout is not None
         for line in _lines(worker.process.stdout):
             event = parse_event(line)
@@ -96,12 +96,12 @@ class LocalLauncher:
         worker.process.wait()
         self.events.put((worker.index, Exit(exit_code=worker.process.returncode)))
 
-    def _output(self, worker: LocalWorker, stream: Literal["stdout", "stderr"], line: str) -> None:
+    def _output(self, worker: PipedWorker, stream: Literal["stdout", "stderr"], line: str) -> None:
         if self.echo:
             event = Output(stream=stream, line=line[:MAX_LINE_BYTES])
             self.events.put((worker.index, event))
 
-    def _read_stderr(self, worker: LocalWorker, stream: IO[bytes] | None) -> None:
+    def _read_stderr(self, worker: PipedWorker, stream: IO[bytes] | None) -> None:
         assert stream is not None
         for line in _lines(stream):
             worker.stderr.append(line)

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.datasets.source import BUILTINS, DATA_ROOT_ENV
 from coordinator.field_error import FieldError
 from coordinator.jobs import COMMAND
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
-from coordinator.jobs.kinds import kind_of
+from coordinator.jobs.kinds import KINDS, kind_of
 from coordinator.jobs.params import ARTIFACTS_ROOT_ENV
+from coordinator.jobs.threads import check_thread_caps
 from coordinator.service.images import ImagePolicy
+from coordinator.service.launchers import OWN_SLOTS, WorkerLauncher
 from coordinator.service.model import JobSpec, Launcher
 
 DATA_FIELDS = ("data", "eval_data")
@@ -65,6 +69,57 @@ class Roots:
             Path(os.environ.get(ARTIFACTS_ROOT_ENV) or "artifacts"),
             Path(os.environ.get(WORKING_DIR_ROOT_ENV) or "work"),
         )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the operator lets a submission ask for (`coordinator serve`'s options)."""
+
+    launchers: Mapping[Launcher, WorkerLauncher]
+    max_workers: int  # the service's own slots (local and docker members)
+    roots: Roots
+    max_threads: int  # per member
+    default_launcher: Launcher = Launcher.LOCAL  # for specs that name none
+    local_gpus: int = 0  # `serve --gpus`
+    # The images each container launcher may run a `command` job in (none: not enabled).
+    images: Mapping[Launcher, ImagePolicy] = field(default_factory=dict)
+
+
+def admit(spec: JobSpec, policy: Policy) -> JobSpec:
+    """The spec as it is stored (its launcher, its paths absolute under their roots, its
+    id), or Refused naming the field: a job that could never run, or may not, is refused
+    before anything starts."""
+    if spec.kind not in KINDS:
+        raise Refused("kind", f"unknown job kind {spec.kind!r} (known: {', '.join(KINDS)})")
+    if "launcher" not in spec.model_fields_set:
+        spec = spec.model_copy(update={"launcher": policy.default_launcher})
+    launcher = policy.launchers.get(spec.launcher)
+    if launcher is None:
+        known = ", ".join(policy.launchers)
+        raise Refused("launcher", f"launcher {spec.launcher} is not enabled here ({known})")
+    if spec.launcher in OWN_SLOTS and spec.workers > policy.max_workers:
+        raise Refused(
+            "workers",
+            f"{spec.workers} workers can never fit: the service has {policy.max_workers} slots",
+        )
+    admit_gpus(spec, policy.local_gpus)
+    if why := launcher.never_fits(spec):
+        raise Refused("gpus_per_worker" if spec.gpus_per_worker else "workers", why)
+    spec = admit_command(spec, policy.roots, policy.images.get(spec.launcher))
+    params = admit_params(spec.kind, spec.params, policy.roots)
+    if params != spec.params:
+        spec = spec.model_copy(update={"params": params})
+    try:
+        check_thread_caps(spec.kind, KINDS[spec.kind].params, spec.params, policy.max_threads)
+    except FieldError as exc:
+        raise Refused(exc.field, str(exc)) from None
+    try:
+        check_kind(spec.kind, spec.params, spec.workers)
+    except ValueError as exc:
+        raise Refused("params", str(exc)) from None
+    if not spec.id:
+        spec = spec.model_copy(update={"id": f"{spec.kind}-{uuid.uuid4().hex[:10]}"})
+    return spec
 
 
 #: The launchers that can run a `command` job's program.

@@ -21,20 +21,20 @@ from coordinator.etcd.security import EtcdSecurity
 from coordinator.jobs.threads import host_cores
 from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
 from coordinator.service.admission import Roots
-from coordinator.service.alarms import AlarmGuard
-from coordinator.service.api import create_app
-from coordinator.service.auth import Tokens
-from coordinator.service.chunks import DEFAULT_MAX_TXN_OPS
-from coordinator.service.context import ApiContext
+from coordinator.service.control.alarms import AlarmGuard
+from coordinator.service.control.leadership import Leadership
+from coordinator.service.control.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import LauncherUnavailable, WorkerLauncher
-from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.launchers.local import LocalLauncher
-from coordinator.service.launchers.placements_ahead import PLACEMENT_GRACE
-from coordinator.service.leadership import Leadership
-from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import Launcher
-from coordinator.service.reconciler import Reconciler, ReconcilerSettings
+from coordinator.service.placement.agents_launcher import AgentsLauncher
+from coordinator.service.placement.ahead import PLACEMENT_GRACE
+from coordinator.service.placement.chunks import DEFAULT_MAX_TXN_OPS
+from coordinator.service.rest.api import create_app
+from coordinator.service.rest.auth import Tokens
+from coordinator.service.rest.context import ApiContext
+from coordinator.service.rest.metrics import ServiceMetrics
 from coordinator.service.store import JobStore
 from coordinator.signing import Signer, data_dir_key, load_private_key
 
@@ -193,7 +193,6 @@ class Service:
         self.reconciler.close()
         self.leadership.close()
         for launcher in self.launchers.values():
-            if (close := getattr(launcher, "close", None)) is not None:
-                close()  # the kubernetes launcher's pod watch
+            launcher.close()  # the kubernetes launcher's pod watch, docker's client
         self.store.close()
         self.etcd.close()

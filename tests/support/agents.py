@@ -13,7 +13,7 @@ from typing import Any
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import Session
 from coordinator.etcd.watch import WatchEvent
-from coordinator.service.agent_protocol import REGISTRATION, signed_assignment
+from coordinator.service.placement.protocol import REGISTRATION, signed_assignment
 from tests.support.cgroups import remove_member_cgroups
 from tests.support.signing import key_files, session_signer
 

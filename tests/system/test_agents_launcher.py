@@ -1,7 +1,7 @@
 """The `agents` launcher: gang placement on agents' slots, with a real etcd, real agents,
 a real service and real members.
 
-Placement itself is pure (`coordinator.service.placement`) and tested on its own
+Placement itself is pure (`coordinator.service.placement.gang`) and tested on its own
 first; then the transaction that guards it against a second replica; then the
 whole path: jobs submitted over REST run on three agents, wait for room, and
 survive an agent killed mid-job.
@@ -21,9 +21,9 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.session import Session
 from coordinator.launch import WorkerCommand
 from coordinator.service.launchers import Launch
-from coordinator.service.launchers.agents import AgentsLauncher
 from coordinator.service.model import JobSpec, JobState
-from coordinator.service.placement import AgentRoom, capacity, place
+from coordinator.service.placement.agents_launcher import AgentsLauncher
+from coordinator.service.placement.gang import AgentRoom, capacity, place
 from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.support.agents import SlotWatch, register, registered

@@ -236,7 +236,7 @@ def test_an_agent_accepts_exactly_a_command_assignment_shape(tmp_path: Path) -> 
     """Pure: what `Assignment` lets through to an agent's members."""
     from pydantic import ValidationError
 
-    from coordinator.service.agent_protocol import Assignment
+    from coordinator.service.placement.protocol import Assignment
 
     args = ["--job", "j", "--world-size", "1", "--kind", "command"]
     base = {"run_id": "j-1234abcd", "attempt": 1, "index": 0, "worker_args": args}

@@ -24,7 +24,7 @@ from playwright.sync_api import Browser, expect, sync_playwright
 from coordinator.etcd.client import Etcd
 from coordinator.jobs.kinds import KINDS
 from coordinator.service.model import JobSpec, JobState
-from coordinator.service.routers.dashboard import WEB
+from coordinator.service.rest.routers.dashboard import WEB
 from coordinator.service.states import advance
 from coordinator.service.store import JobStore
 from tests.support.dashboard import CHROMIUM, HISTORY, PHASES, VIEWPORT, Watched, launch

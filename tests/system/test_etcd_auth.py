@@ -43,8 +43,8 @@ from coordinator.etcd.users import (
     users,
     write_password_file,
 )
-from coordinator.service.agent_protocol import Assignment
 from coordinator.service.embedded import running_security
+from coordinator.service.placement.protocol import Assignment
 from tests.support.agents import AgentProc, as_the_service, registered
 from tests.support.service import ServiceProc, kill_members, stop_service_etcd, wait_state
 from tests.support.wait import wait_until

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.service import simulation
+from coordinator.service.rest import simulation
 from tests.support.agents import registered
 from tests.support.hostile import OTHER_TYPES, PARAM_CASES, RAW_BODIES, job_cases
 from tests.support.processes import unreachable_etcd

@@ -2,7 +2,7 @@
 one key with the job's move to STARTING, started by agents only once committed, and
 swept when never committed.
 
-The cutting is pure (`coordinator.service.chunks`) and tested first; then the
+The cutting is pure (`coordinator.service.placement.chunks`) and tested first; then the
 launcher's writes on a real etcd (one that refuses the single big transaction too);
 then the whole path: real agents, a real service, real members.
 """
@@ -27,16 +27,16 @@ from coordinator.etcd.txn import CreatedAt, QuietSince
 from coordinator.etcd.watch import WatchEvent
 from coordinator.keys import Keys, placements_of
 from coordinator.launch import WorkerCommand
-from coordinator.service.chunks import (
+from coordinator.service.launchers import Launch
+from coordinator.service.model import JobSpec, JobState
+from coordinator.service.placement.agents_launcher import AgentsLauncher
+from coordinator.service.placement.chunks import (
     Write,
     check_limits,
     chunk_guards,
     chunks,
     fits_one_transaction,
 )
-from coordinator.service.launchers import Launch
-from coordinator.service.launchers.agents import AgentsLauncher
-from coordinator.service.model import JobSpec, JobState
 from coordinator.service.runner import Service, ServiceOptions
 from coordinator.service.states import advance
 from coordinator.service.store import JobStore

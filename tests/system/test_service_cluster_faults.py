@@ -24,11 +24,11 @@ import pytest
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.security import ENV, EtcdSecurity
+from coordinator.service.control.leadership import Leadership
+from coordinator.service.control.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.launchers import Launch, Reservation
 from coordinator.service.launchers.local import LocalLauncher
-from coordinator.service.leadership import Leadership
 from coordinator.service.model import JobSpec, JobState, Launcher, Member
-from coordinator.service.reconciler import Reconciler, ReconcilerSettings
 from coordinator.service.states import TRANSITIONS
 from coordinator.service.store import JobStore
 from tests.support.etcd_cluster import EtcdCluster, Link

@@ -19,12 +19,12 @@ import psutil
 import pytest
 from pyetcd import etcdrpc
 
+from coordinator.agent.output import IDLE_SECONDS, MAX_CONNECTIONS
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.session import Session
 from coordinator.etcd.watchdog import STALL_ALLOWANCE
-from coordinator.service.agent_output import IDLE_SECONDS, MAX_CONNECTIONS
-from coordinator.service.readiness import Readiness
+from coordinator.service.rest.readiness import Readiness
 from tests.support.agents import SlotWatch, registered
 from tests.support.service import ServiceProc, kill_members, wait_state
 from tests.support.wait import wait_until

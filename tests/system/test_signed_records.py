@@ -26,8 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.server import EmbeddedEtcd
-from coordinator.service.agent_protocol import REGISTRATION, signed_assignment
 from coordinator.service.model import JobRecord, JobSpec, JobState
+from coordinator.service.placement.protocol import REGISTRATION, signed_assignment
 from coordinator.signing import JOB, SIGNATURE, Signer, canonical
 from tests.support.agents import as_the_service, registered
 from tests.support.service import ServiceProc, wait_state

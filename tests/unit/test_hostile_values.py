@@ -17,9 +17,9 @@ from coordinator.jobs import catalog
 from coordinator.jobs.command import CommandJob
 from coordinator.jobs.kinds import kind_of
 from coordinator.jobs.noop import check as noop_check
-from coordinator.service.auth import Role, Tokens, find_token, generated_tokens
 from coordinator.service.json_values import BadValue, check_body, encodable, text_problem
 from coordinator.service.model import JobSpec
+from coordinator.service.rest.auth import Role, Tokens, find_token, generated_tokens
 from tests.support.hostile import PARAM_CASES, Case, job_cases
 
 

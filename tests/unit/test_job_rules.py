@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.service.job_rules import (
+from coordinator.service.control.job_rules import (
     Action,
     Advance,
     FinishAttempt,

@@ -12,7 +12,7 @@ from coordinator.context import etcd_wait_from
 from coordinator.jobs.environment import program_environment
 from coordinator.launch import WorkerCommand, parse_gpus
 from coordinator.rendezvous.roster import Roster
-from coordinator.service.placement import AgentRoom, capacity, place
+from coordinator.service.placement.gang import AgentRoom, capacity, place
 
 SECRETS = {"API_TOKEN": "s3cr3t-value"}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pyetcd import etcdrpc
 
 from coordinator.etcd.watchdog import Watchdog, most_overdue
-from coordinator.service.alarms import unjustified
-from coordinator.service.leadership import DEPOSE_SLACK, overdue, sighted
+from coordinator.service.control.alarms import unjustified
+from coordinator.service.control.leadership import DEPOSE_SLACK, overdue, sighted
 
 
 def test_a_call_counts_as_wedged_only_past_its_deadline_and_the_allowance() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from coordinator.service.reconciler import ReconcilerSettings
+from coordinator.service.control.reconciler import ReconcilerSettings
 from coordinator.service.runner import ServiceOptions
 
 

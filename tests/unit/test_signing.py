@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from coordinator.service.agent_protocol import (
+from coordinator.service.model import JobRecord, JobSpec, JobState
+from coordinator.service.placement.protocol import (
     signed_assignment,
     verified_assignment,
 )
-from coordinator.service.model import JobRecord, JobSpec, JobState
 from coordinator.service.store import InvalidRecord, parse_record
 from coordinator.signing import (
     ASSIGNMENT,

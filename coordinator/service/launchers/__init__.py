@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from coordinator.etcd.txn import Guard, Put
 from coordinator.etcd.users import Credentials
@@ -120,17 +120,39 @@ class WorkerLauncher(Protocol):
         """Forget a finished submission: its members' logs or containers; how many."""
         ...
 
-
-@runtime_checkable
-class PlacesAhead(Protocol):
-    """A launcher that may write a placement ahead of its commit: the leader has it
-    delete an attempt's commit once the attempt ended, and sweep the placements whose
-    writer never committed them."""
+    def never_fits(self, spec: JobSpec) -> str | None:
+        """Why this launcher could never run the job at once (None: it could), asked at
+        submission so that such a job is refused instead of queued for ever."""
+        ...
 
     def placement_ended(self, run_id: str, attempt: int) -> None:
-        """The attempt's members are gone: its placement's commit goes too."""
+        """The attempt's members are gone: what let them start (a placement written
+        ahead of its commit) goes too."""
         ...
 
     def sweep(self) -> int:
-        """Remove what placements never committed left (after a grace); how many."""
+        """Remove what placements written ahead but never committed left (after a
+        grace); how many."""
         ...
+
+    def close(self) -> None:
+        """Stop what the launcher runs of its own (a watch, a client's connections)."""
+        ...
+
+
+class OnDemandLauncher:
+    """What a launcher that starts members on demand answers to the questions only
+    placement asks (`WorkerLauncher`): any job may fit, nothing is placed ahead, and
+    nothing of its own runs until closed."""
+
+    def never_fits(self, spec: JobSpec) -> str | None:
+        return None
+
+    def placement_ended(self, run_id: str, attempt: int) -> None:
+        return None
+
+    def sweep(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        return None

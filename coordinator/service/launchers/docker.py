@@ -62,6 +62,7 @@ from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
     Launch,
+    OnDemandLauncher,
     Reservation,
     member_command,
 )
@@ -89,7 +90,7 @@ MANAGED_LABEL = f"{LABEL_PREFIX}.managed"  # on the networks this launcher creat
 ENGINE_ERRORS = (DockerException, requests.RequestException)
 
 
-class DockerLauncher:
+class DockerLauncher(OnDemandLauncher):
     def __init__(
         self,
         image: str,

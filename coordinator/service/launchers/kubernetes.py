@@ -44,7 +44,7 @@ from kubernetes.client.exceptions import ApiException
 
 from coordinator.deploy import k8s
 from coordinator.service.images import ImagePolicy
-from coordinator.service.launchers import NOTHING, VANISHED, Launch, Reservation
+from coordinator.service.launchers import NOTHING, VANISHED, Launch, OnDemandLauncher, Reservation
 from coordinator.service.launchers.kubernetes_api import default_client
 from coordinator.service.launchers.kubernetes_job import (
     RUN_ANNOTATION,
@@ -80,7 +80,7 @@ def _api_message(exc: ApiException) -> str:
     return f"HTTP {exc.status}: {exc.reason}"
 
 
-class KubernetesLauncher:
+class KubernetesLauncher(OnDemandLauncher):
     def __init__(
         self,
         image: str,

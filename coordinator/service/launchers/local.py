@@ -47,6 +47,7 @@ from coordinator.service.launchers import (
     NOTHING,
     VANISHED,
     Launch,
+    OnDemandLauncher,
     Reservation,
     member_command,
 )
@@ -62,7 +63,7 @@ _LOG_PATH = re.compile(
 )
 
 
-class LocalLauncher:
+class LocalLauncher(OnDemandLauncher):
     def __init__(
         self,
         logs: Path,

@@ -18,9 +18,9 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.watch import WatchEvent
 from coordinator.events import member_own_line, neutralise, split_lines
 from coordinator.jobs.kinds import kind_of
-from coordinator.service.context import API, Context, reader, stored_or_404
 from coordinator.service.launchers import WorkerLauncher
 from coordinator.service.model import JobRecord, Member
+from coordinator.service.rest.context import API, Context, reader, stored_or_404
 from coordinator.service.store import InvalidRecord, JobNotFound, JobStore, Stored
 
 FOLLOW_POLL_SECONDS = 0.25  # how often a followed log is read again (no file events)

@@ -58,9 +58,9 @@ from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs.kinds import kind_of
 from coordinator.keys import Keys
 from coordinator.launch import WorkerCommand
-from coordinator.service.following import Follower, fitting
-from coordinator.service.job_credentials import JobCredentials
-from coordinator.service.job_rules import (
+from coordinator.service.control.following import Follower, fitting
+from coordinator.service.control.job_credentials import JobCredentials
+from coordinator.service.control.job_rules import (
     Action,
     Advance,
     FinishAttempt,
@@ -69,14 +69,13 @@ from coordinator.service.job_rules import (
     StopAttempt,
     decide,
 )
+from coordinator.service.control.leadership import Leadership
 from coordinator.service.launchers import (
     OWN_SLOTS,
     Launch,
-    PlacesAhead,
     Reservation,
     WorkerLauncher,
 )
-from coordinator.service.leadership import Leadership
 from coordinator.service.model import Attempt, JobRecord, JobState, Launcher, Member
 from coordinator.service.states import TRANSITIONS, advance, restarts_left
 from coordinator.service.store import InvalidChange, InvalidRecord, JobNotFound, JobStore
@@ -200,10 +199,9 @@ class Reconciler:
                 free -= record.spec.workers
             elif started is False:  # it does not fit yet (None: its step failed, logged)
                 held.add(launcher)
-        for each in self.launchers.values():
-            if isinstance(each, PlacesAhead):  # placements a writer never committed
-                self._check_leading()
-                each.sweep()
+        for each in self.launchers.values():  # placements a writer never committed
+            self._check_leading()
+            each.sweep()
 
     def _isolated(self, job_id: str, step: Callable[..., Any], *args: Any) -> Any:
         """One job's step (its result; None when it failed): what goes wrong with one job
@@ -448,8 +446,7 @@ class Reconciler:
         assert attempt is not None and attempt.then is not None
         self._clear_rendezvous(record.id)
         launcher = self.launchers[record.spec.launcher]
-        if isinstance(launcher, PlacesAhead):  # what let its members start goes with them
-            launcher.placement_ended(record.run_id, attempt.number)
+        launcher.placement_ended(record.run_id, attempt.number)
 
         def change(current: JobRecord) -> JobRecord | None:
             last = current.attempt

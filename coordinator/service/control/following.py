@@ -15,9 +15,9 @@ from pydantic import BaseModel, ValidationError
 
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs.kinds import kind_of
+from coordinator.service.control.output_reads import OutputReads
 from coordinator.service.launchers import VANISHED, WorkerLauncher
 from coordinator.service.model import JobRecord, Member
-from coordinator.service.output_reads import OutputReads
 from coordinator.service.series import member_events
 
 

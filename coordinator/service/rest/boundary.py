@@ -16,8 +16,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from coordinator.service.auth import Role, Tokens
 from coordinator.service.json_values import BadValue, check_body
+from coordinator.service.rest.auth import Role, Tokens
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -1,4 +1,4 @@
-"""The REST API, v1, assembled: the routers (`coordinator.service.routers`) over one context.
+"""The REST API, v1, assembled: the routers (`coordinator.service.rest.routers`) over one context.
 
 This module only builds the app: it leaves the `ApiContext` where the routes'
 `Context` dependency finds it, includes the routers, mounts the dashboard's files,
@@ -21,10 +21,10 @@ from fastapi.staticfiles import StaticFiles
 
 from coordinator.etcd.errors import EtcdError
 from coordinator.service.admission import Roots
-from coordinator.service.boundary import Boundary, document_refusals
-from coordinator.service.context import ApiContext
 from coordinator.service.json_values import encodable
-from coordinator.service.routers import dashboard, health, jobs, simulate, streams
+from coordinator.service.rest.boundary import Boundary, document_refusals
+from coordinator.service.rest.context import ApiContext
+from coordinator.service.rest.routers import dashboard, health, jobs, simulate, streams
 from coordinator.service.store import InvalidRecord
 
 ROUTERS = (jobs.router, streams.router, health.router, dashboard.router, simulate.router)

@@ -1,6 +1,6 @@
 """What an agent writes under its lease: its registration (`agents/<id>`) and its
 members' reports (`reports/<id>/<member>`). The service reads them back through the
-models of `agent_protocol`.
+models of `placement.protocol`.
 
 A registration is created only if the key is absent, so a second agent with a live id
 is refused (`AgentTaken`) and two hosts never share an identity; only the agent's own
@@ -34,7 +34,7 @@ class AgentTaken(RuntimeError):
 def registration_record(
     slots: int, labels: dict[str, str], address: str, token: str, gpus: tuple[int, ...]
 ) -> dict[str, Any]:
-    """The agent's registration (`agent_protocol.AgentRecord`): its room, where its output
+    """The agent's registration (`placement.protocol.AgentRecord`): its room, where its output
     server is and the token it asks for, and which process on which host it is."""
     record: dict[str, Any] = {
         "slots": slots,

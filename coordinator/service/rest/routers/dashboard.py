@@ -35,11 +35,18 @@ from coordinator.etcd.watch import WatchEvent
 from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round, Step
 from coordinator.jobs.kinds import KINDS
 from coordinator.keys import JobKeys
-from coordinator.service.context import API, ApiContext, Context, granted, reader, stored_or_404
 from coordinator.service.model import JobRecord, Member
+from coordinator.service.rest.context import (
+    API,
+    ApiContext,
+    Context,
+    granted,
+    reader,
+    stored_or_404,
+)
 from coordinator.service.series import Series, clock_bound, collect, live_clock, member_events
 
-WEB = Path(__file__).resolve().parent.parent.parent / "web"
+WEB = Path(__file__).resolve().parents[3] / "web"
 CLOCK_FLUSH_SECONDS = 0.1
 OUTPUT_POLL_SECONDS = 0.5
 LIVE_EVENTS = (Round, Metrics, Step, Done, Failed, Phase)  # what the live charts follow

@@ -2,7 +2,7 @@
 
 `reserve` places all of an attempt's members on live agents with free slots
 that carry the job's labels (`placement.place`), as one assignment key per
-member bound to its agent's lease (keys: `coordinator.keys`; values: `agent_protocol`).
+member bound to its agent's lease (keys: `coordinator.keys`; values: `placement.protocol`).
 The reconciler writes them in the same transaction that moves the job to
 STARTING, guarded by each chosen agent's registration (the same agent, still
 alive) and by its assignments (nobody placed members on it since they were read): so two
@@ -10,7 +10,7 @@ replicas never over-fill an agent, and a job is placed whole or not at all.
 
 A placement too big for one transaction (`max_txn_ops`, `max_txn_bytes`) is
 written ahead by `reserve`, in chunks, and committed by one key
-(`placements_ahead`); the leader sweeps what was never committed.
+(`ahead`); the leader sweeps what was never committed.
 
 An agent starts what is assigned to it at once, so `start` has nothing left to
 do. The member's state is its agent's report; an agent that dies takes its
@@ -19,12 +19,12 @@ assignments and reports with its lease, and its members read as `VANISHED`
 its output comes from its agent over HTTP, with the bearer token of the agent's
 registration, read within `OUTPUT_DEADLINE` seconds and `OUTPUT_CAP` bytes whatever
 the agent sends (what came by then is the answer). Registrations and reports are
-validated (`agent_protocol`): an
+validated (`placement.protocol`): an
 agent's address is used only from a live (leased) registration that parses.
 The job's etcd credentials travel in the assignment, which only its agent (and
 the service) may read. Every assignment, and every change of one (`stop`), is signed
 with the service's key for its agent and that agent's registration
-(`agent_protocol.signed_assignment`): agents run nothing else.
+(`placement.protocol.signed_assignment`): agents run nothing else.
 """
 
 from __future__ import annotations
@@ -41,24 +41,24 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, KeyValue, Put, QuietSince
 from coordinator.keys import Keys, leaf, member_name, of_run, placements_of
-from coordinator.service.agent_protocol import (
-    REGISTRATION,
-    AgentRecord,
-    Report,
-    assignment_payload,
-    signed_assignment,
-)
-from coordinator.service.chunks import (
+from coordinator.service.launchers import VANISHED, Launch, Reservation
+from coordinator.service.model import JobSpec, Member
+from coordinator.service.placement.ahead import PLACEMENT_GRACE, PlacementsAhead
+from coordinator.service.placement.chunks import (
     DEFAULT_MAX_TXN_BYTES,
     DEFAULT_MAX_TXN_OPS,
     Write,
     check_limits,
     fits_one_transaction,
 )
-from coordinator.service.launchers import VANISHED, Launch, Reservation
-from coordinator.service.launchers.placements_ahead import PLACEMENT_GRACE, PlacementsAhead
-from coordinator.service.model import JobSpec, Member
-from coordinator.service.placement import AgentRoom, capacity, matches, place
+from coordinator.service.placement.gang import AgentRoom, capacity, matches, place
+from coordinator.service.placement.protocol import (
+    REGISTRATION,
+    AgentRecord,
+    Report,
+    assignment_payload,
+    signed_assignment,
+)
 from coordinator.signing import SignatureError, Signer
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,9 @@ class AgentsLauncher:
                     )
                 )
         return rooms, kvs, revision
+
+    def close(self) -> None:
+        return None  # nothing of its own runs: every read is the caller's
 
     def never_fits(self, spec: JobSpec) -> str | None:
         """Why the live agents could never run this job at once (None: they could)."""
@@ -310,7 +313,7 @@ def _assignment(
     launch: Launch, index: int, gpus: tuple[int, ...], registration: int
 ) -> dict[str, object]:
     """What member `index` runs, as its agent (of that registration) reads it
-    (`agent_protocol.Assignment`), before it is signed."""
+    (`placement.protocol.Assignment`), before it is signed."""
     command = launch.command
     assignment: dict[str, object] = {
         REGISTRATION: registration,

@@ -1,16 +1,16 @@
 """An agent: one host's long-running process that runs the members etcd assigns to it.
 
-It registers under its lease (`agent_records`: a second agent with a live id is
+It registers under its lease (`records`: a second agent with a live id is
 refused, so two hosts never share an identity), watches its assignments, and starts
 each assigned member once with the local launcher (its own session, output to a
 file), pointed at etcd as this agent reaches it. It reports each member's state,
 signals a member whose assignment asks for `stop`, and serves the members' output
-over HTTP (`agent_output`). A member of a placement written ahead of its commit waits
-for the commit (`agent_commits`).
+over HTTP (`output`). A member of a placement written ahead of its commit waits
+for the commit (`commits`).
 
 It trusts nothing it reads: an assignment must carry the service's signature, for this
 agent and this registration of it, checked with the service's public key
-(`agent_protocol.verified_assignment`); one that does not, or does not pass `Assignment` (the
+(`placement.protocol.verified_assignment`); one that does not, or does not pass `Assignment` (the
 options the service writes and no others, paths inside its data dir, its own
 namespace) is reported `refused` and never runs. A member gets its job's etcd user
 from the assignment, in a file only it may read.
@@ -36,6 +36,15 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import ValidationError
 
+from coordinator.agent.commits import PlacementCommits
+from coordinator.agent.output import output_server
+from coordinator.agent.records import (
+    member_report,
+    refusal_reason,
+    refusal_report,
+    register,
+    registration_record,
+)
 from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError, EtcdRefused
 from coordinator.etcd.session import Session
@@ -44,19 +53,10 @@ from coordinator.etcd.watch import WatchEvent
 from coordinator.jobs.environment import WORKING_DIR_ROOT_ENV
 from coordinator.keys import Keys, member_name
 from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
-from coordinator.service.agent_commits import PlacementCommits
-from coordinator.service.agent_output import output_server
-from coordinator.service.agent_protocol import Assignment, verified_assignment
-from coordinator.service.agent_records import (
-    member_report,
-    refusal_reason,
-    refusal_report,
-    register,
-    registration_record,
-)
 from coordinator.service.launchers import VANISHED
 from coordinator.service.launchers.local import LocalLauncher
 from coordinator.service.model import Member
+from coordinator.service.placement.protocol import Assignment, verified_assignment
 
 log = logging.getLogger(__name__)
 

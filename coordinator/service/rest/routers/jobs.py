@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
@@ -18,17 +17,10 @@ from pydantic import BaseModel
 
 from coordinator.field_error import FieldError
 from coordinator.jobs.kinds import KINDS, KindInfo
-from coordinator.jobs.threads import check_thread_caps
-from coordinator.service.admission import (
-    Refused,
-    admit_command,
-    admit_gpus,
-    admit_params,
-    check_kind,
-)
-from coordinator.service.context import (
+from coordinator.service.admission import admit
+from coordinator.service.model import JobList, JobRecord, JobSpec, JobState
+from coordinator.service.rest.context import (
     API,
-    ApiContext,
     Context,
     invalid,
     may_exec,
@@ -36,9 +28,6 @@ from coordinator.service.context import (
     stored_or_404,
     submitter,
 )
-from coordinator.service.launchers import OWN_SLOTS
-from coordinator.service.launchers.agents import AgentsLauncher
-from coordinator.service.model import JobList, JobRecord, JobSpec, JobState
 from coordinator.service.store import JobConflict, JobNotFound
 
 log = logging.getLogger(__name__)
@@ -66,10 +55,10 @@ def submit(spec: JobSpec, request: Request, response: Response, context: Context
         context.metrics.submissions.labels("invalid").inc()
         raise HTTPException(403, f"a {spec.kind} job runs any program: it needs the exec role")
     try:
-        spec = check_spec(spec, context)
-    except HTTPException:
+        spec = admit(spec, context.policy())
+    except FieldError as exc:
         context.metrics.submissions.labels("invalid").inc()
-        raise
+        raise invalid(exc.field.split("."), str(exc)) from None
     try:
         record, created = context.store.submit(spec, time.time())
     except JobConflict as exc:
@@ -167,50 +156,3 @@ def delete(job_id: str, context: Context) -> Response:
         except ValueError as exc:  # names nothing of ours: nothing is removed
             log.warning("job %s: kept its members' files: %s", job_id, exc)
     return Response(status_code=204)
-
-
-def check_spec(spec: JobSpec, context: ApiContext) -> JobSpec:
-    """The spec with its id, or a 422 naming the field: the kind's own parameter checks
-    run here, so a bad job is refused before anything starts."""
-    if spec.kind not in KINDS:
-        known = ", ".join(KINDS)
-        raise invalid(["kind"], f"unknown job kind {spec.kind!r} (known: {known})")
-    if "launcher" not in spec.model_fields_set:
-        spec = spec.model_copy(update={"launcher": context.default_launcher})
-    launcher = context.launchers.get(spec.launcher)
-    if launcher is None:
-        known = ", ".join(context.launchers)
-        raise invalid(["launcher"], f"launcher {spec.launcher} is not enabled here ({known})")
-    if spec.launcher in OWN_SLOTS and spec.workers > context.max_workers:
-        raise invalid(
-            ["workers"],
-            f"{spec.workers} workers can never fit: the service has {context.max_workers} slots",
-        )
-    try:
-        admit_gpus(spec, len(context.local_gpus))
-    except Refused as exc:
-        raise invalid([exc.field], str(exc)) from None
-    if isinstance(launcher, AgentsLauncher) and (why := launcher.never_fits(spec)):
-        raise invalid(["gpus_per_worker" if spec.gpus_per_worker else "workers"], why)
-    assert context.roots is not None
-    try:
-        spec = admit_command(spec, context.roots, context.images.get(spec.launcher))
-    except Refused as exc:
-        raise invalid(exc.field.split("."), str(exc)) from None
-    try:
-        params = admit_params(spec.kind, spec.params, context.roots)
-    except Refused as exc:
-        raise invalid(exc.field.split("."), str(exc)) from None
-    if params != spec.params:
-        spec = spec.model_copy(update={"params": params})
-    try:
-        check_thread_caps(spec.kind, KINDS[spec.kind].params, spec.params, context.max_threads)
-    except FieldError as exc:
-        raise invalid(exc.field.split("."), str(exc)) from None
-    try:
-        check_kind(spec.kind, spec.params, spec.workers)
-    except ValueError as exc:
-        raise invalid(["params"], str(exc)) from None
-    if not spec.id:
-        spec = spec.model_copy(update={"id": f"{spec.kind}-{uuid.uuid4().hex[:10]}"})
-    return spec

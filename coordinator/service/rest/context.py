@@ -17,15 +17,15 @@ from fastapi import Depends, HTTPException, Request
 
 from coordinator.etcd.client import Etcd
 from coordinator.jobs.threads import host_cores
-from coordinator.service.admission import Roots
-from coordinator.service.auth import Role, Tokens
-from coordinator.service.boundary import ROLE_KEY
+from coordinator.service.admission import Policy, Roots
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import WorkerLauncher
-from coordinator.service.metrics import ServiceMetrics
 from coordinator.service.model import Launcher
-from coordinator.service.readiness import Readiness
-from coordinator.service.simulation import Runner
+from coordinator.service.rest.auth import Role, Tokens
+from coordinator.service.rest.boundary import ROLE_KEY
+from coordinator.service.rest.metrics import ServiceMetrics
+from coordinator.service.rest.readiness import Readiness
+from coordinator.service.rest.simulation import Runner
 from coordinator.service.store import InvalidRecord, JobNotFound, JobStore, Stored
 
 API = "/v1"
@@ -49,6 +49,18 @@ class ApiContext:
     max_threads: int = field(default_factory=host_cores)  # `serve --max-threads`: per member
     readiness: Readiness | None = None  # what the probes answer (None: made on first use)
     events_ping: float = 15.0  # seconds between keep-alives on a quiet events stream
+
+    def policy(self) -> Policy:
+        """What a submission may ask for here (`admission.admit`)."""
+        return Policy(
+            launchers=self.launchers,
+            max_workers=self.max_workers,
+            roots=self.roots or Roots.from_environment(),
+            max_threads=self.max_threads,
+            default_launcher=self.default_launcher,
+            local_gpus=len(self.local_gpus),
+            images=self.images,
+        )
 
 
 async def _context(request: Request) -> ApiContext:

@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from coordinator.keys import Keys
-from coordinator.service.context import ApiContext, Context, reader
-from coordinator.service.readiness import Readiness
+from coordinator.service.rest.context import ApiContext, Context, reader
+from coordinator.service.rest.readiness import Readiness
 
 router = APIRouter()
 

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from coordinator.barriers.arguments import barrier_list
-from coordinator.service import simulation
-from coordinator.service.boundary import GONE_KEY
-from coordinator.service.context import API, Context, invalid, invalid_fields, submitter
 from coordinator.service.model import Simulation, SimulationRequest
+from coordinator.service.rest import simulation
+from coordinator.service.rest.boundary import GONE_KEY
+from coordinator.service.rest.context import API, Context, invalid, invalid_fields, submitter
 
 router = APIRouter()
 

@@ -21,10 +21,10 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, Delete, Empty, KeyValue, Put, ValueIs, When
 from coordinator.keys import Keys, member_name, new_placement, placements_of
-from coordinator.service.agent_protocol import PLACEMENT_PATTERN, signed_assignment
-from coordinator.service.chunks import Write, chunk_guards, chunks
 from coordinator.service.launchers import Launch, Reservation
 from coordinator.service.model import Member
+from coordinator.service.placement.chunks import Write, chunk_guards, chunks
+from coordinator.service.placement.protocol import PLACEMENT_PATTERN, signed_assignment
 from coordinator.signing import Signer
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,1 @@
+"""The API's routes, one `APIRouter` per concern; `coordinator.service.rest.api` assembles them."""
