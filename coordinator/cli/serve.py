@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -31,6 +31,11 @@ from coordinator.launch.pids import DEFAULT_PIDS_LIMIT
 from coordinator.rendezvous.address import is_loopback
 from coordinator.service.model import Launcher
 from coordinator.service.placement.chunks import DEFAULT_MAX_TXN_OPS, MIN_TXN_OPS
+
+if TYPE_CHECKING:  # imported when a command runs: the CLI starts without them
+    from coordinator.service.admission import Roots
+    from coordinator.service.rest.auth import Tokens
+    from coordinator.service.runner import ServiceOptions
 
 
 # The types of serve's options that share a wording: the folders submitted paths must be
@@ -183,40 +188,92 @@ def serve(
     k8s_etcd: K8sEtcdOption = None,
 ) -> None:
     """Serve the REST API (OpenAPI at /docs); without --etcd, an etcd of its own in DATA_DIR."""
-    from coordinator.etcd.errors import EtcdError
-    from coordinator.service.embedded import ServiceEtcd
-    from coordinator.service.launchers import LauncherUnavailable
-    from coordinator.service.rest import server
-    from coordinator.service.rest.auth import GENERATED_TOKEN_FILE, Tokens, generated_tokens
-    from coordinator.service.runner import Service, ServiceOptions
+    from coordinator.service.runner import ServiceOptions
 
-    # Exported into the environment. Without --etcd, the service is root of its own etcd,
-    # with its own settings (auth and a client certificate); members get users of their own.
+    # Without --etcd, the service is root of its own etcd, with its own settings (auth and
+    # a client certificate); members get users of their own.
     security = checked_security(etcd, etcd_settings) if etcd else EtcdSecurity()
-    tokens = None
+    tokens = checked_tokens(token_file, insecure, host, data_dir)
+    check_signing_key(signing_key)
+    check_container_options(
+        etcd, docker_image, docker_memory, docker_pids_limit, docker_etcd, allowed_image, k8s_image
+    )
+    try:
+        gpu_ids = parse_gpus(gpus)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--gpus") from None
+    run_as_uids = run_as_range(run_as)
+    data_dir = data_dir.absolute()
+    roots = made_roots(data_dir, data_root, artifacts_root, working_dir_root)
+    max_threads = max_threads or host_cores()
+    export_for_members(roots, max_threads)
+    # By concern: etcd; the local members; the API and placing; the container launchers.
+    options = ServiceOptions(
+        etcd=etcd or "", namespace=namespace, security=security,
+        data_dir=data_dir, max_workers=max_workers, gpus=gpu_ids, run_as=run_as_uids, grace=grace,
+        events_ping=events_ping, roots=roots,
+        max_threads=max_threads, member_pids_limit=member_pids_limit,
+        member_ttl=member_ttl, member_connect_timeout=member_connect_timeout,
+        tokens=tokens, default_launcher=default_launcher, max_txn_ops=max_txn_ops,
+        signing_key=signing_key.absolute() if signing_key is not None else None,
+        docker_image=docker_image, docker_network=docker_network, docker_host=docker_host,
+        docker_etcd=docker_etcd, docker_memory=docker_memory,
+        docker_pids_limit=docker_pids_limit, docker_artifacts=docker_artifacts,
+        allowed_images=tuple(allowed_image or ()),
+        k8s_image=k8s_image, k8s_namespace=k8s_namespace, k8s_etcd=k8s_etcd,
+    )  # fmt: skip
+    run_service(options, host, port, shown_token=tokens is not None and token_file is None)
+
+
+def checked_tokens(
+    token_file: Path | None, insecure: bool, host: str, data_dir: Path
+) -> Tokens | None:
+    """The API's tokens: `--token-file`'s; on loopback without one, a token of its own
+    (never no auth by accident); None only with --insecure."""
+    from coordinator.service.rest.auth import Tokens, generated_tokens
+
     if token_file is not None:
         try:
-            tokens = Tokens.load(token_file)
+            return Tokens.load(token_file)
         except (OSError, ValueError) as exc:
             raise typer.BadParameter(str(exc), param_hint="--token-file") from None
-    elif not insecure and not is_loopback(host):
+    if insecure:
+        return None
+    if not is_loopback(host):
         raise typer.BadParameter(
             f"{host} is not loopback: give --token-file, or --insecure to serve without auth",
             param_hint="--host",
         )
-    elif not insecure:  # on loopback: a token of its own, never no auth by accident
-        data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            tokens = generated_tokens(data_dir.absolute())
-        except (OSError, ValueError) as exc:
-            raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
-    if signing_key is not None:
-        from coordinator.signing import load_private_key
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return generated_tokens(data_dir.absolute())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--data-dir") from None
 
-        try:
-            load_private_key(signing_key)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--signing-key") from None
+
+def check_signing_key(signing_key: Path | None) -> None:
+    if signing_key is None:
+        return
+    from coordinator.signing import load_private_key
+
+    try:
+        load_private_key(signing_key)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--signing-key") from None
+
+
+def check_container_options(
+    etcd: str | None,
+    docker_image: str | None,
+    docker_memory: str,
+    docker_pids_limit: int,
+    docker_etcd: str | None,
+    allowed_image: list[str] | None,
+    k8s_image: str | None,
+) -> None:
+    """The container launchers' options, refused naming the option before anything starts."""
+    from coordinator.service.images import ImagePolicy, check_reference
+
     if docker_image:
         from coordinator.service.launchers.docker_container import (
             check_limits,
@@ -227,20 +284,15 @@ def serve(
             check_limits(docker_memory, docker_pids_limit)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-memory") from None
-
         try:  # without --etcd, the embedded etcd: on loopback
             container_endpoints(etcd or DEFAULT_ETCD, docker_etcd)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-etcd") from None
-        from coordinator.service.images import ImagePolicy, check_reference
-
         try:
             check_reference(docker_image)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--docker-image") from None
     if allowed_image:
-        from coordinator.service.images import ImagePolicy
-
         if not (docker_image or k8s_image):
             raise typer.BadParameter(
                 "needs a container launcher: --docker-image or --k8s-image", "--allowed-image"
@@ -258,49 +310,57 @@ def serve(
                 "pip install 'etcd-coordinator[kubernetes]'",
                 param_hint="--k8s-image",
             ) from None
-    try:
-        gpu_ids = parse_gpus(gpus)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--gpus") from None
-    run_as_uids = run_as_range(run_as)
-    data_dir = data_dir.absolute()
-    # Where submitted paths may point; the local members check it again as they read.
-    # (The jobs' default artifacts folder, $COORDINATOR_ARTIFACTS, is the default root.)
+
+
+def made_roots(
+    data_dir: Path, data_root: Path | None, artifacts_root: Path | None, working_dir: Path | None
+) -> Roots:
+    """Where submitted paths may point, each folder made where it can be (the jobs' default
+    artifacts folder, $COORDINATOR_ARTIFACTS, is the default artifacts root)."""
+    from coordinator.service.admission import Roots
+
     default_artifacts = os.environ.get("COORDINATOR_ARTIFACTS") or data_dir / "artifacts"
-    roots = {
-        "COORDINATOR_DATA_ROOT": (data_root or data_dir / "data").absolute(),
-        "COORDINATOR_ARTIFACTS_ROOT": (artifacts_root or Path(default_artifacts)).absolute(),
-        "COORDINATOR_WORKING_DIR_ROOT": (working_dir_root or data_dir / "work").absolute(),
-    }
-    for name, root in roots.items():
+    roots = Roots.of(
+        data_root or data_dir / "data",
+        artifacts_root or Path(default_artifacts),
+        working_dir or data_dir / "work",
+    )
+    for name, root in zip(ROOT_ENVS, (roots.data, roots.artifacts, roots.working_dir), strict=True):
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # e.g. a folder only the agents' or pods' hosts have
             console.print(f"[dim]{name.lower()}: {root} is not here ({exc.strerror})[/dim]")
+    return roots
+
+
+#: The environment the local members inherit their roots from (they check them again).
+ROOT_ENVS = ("COORDINATOR_DATA_ROOT", "COORDINATOR_ARTIFACTS_ROOT", "COORDINATOR_WORKING_DIR_ROOT")
+
+
+def export_for_members(roots: Roots, max_threads: int) -> None:
+    """What the local members inherit and check again as they read: the roots, the jobs'
+    default artifacts folder and the thread cap. The service itself is passed them."""
+    for name, root in zip(ROOT_ENVS, (roots.data, roots.artifacts, roots.working_dir), strict=True):
         os.environ[name] = str(root)
-    os.environ.setdefault("COORDINATOR_ARTIFACTS", str(roots["COORDINATOR_ARTIFACTS_ROOT"]))
-    max_threads = max_threads or host_cores()
-    os.environ[MAX_THREADS_ENV] = str(max_threads)  # the local members check it again
-    embedded = ServiceEtcd(data_dir) if not etcd else None
-    endpoint = etcd or (embedded.endpoint if embedded else "")
+    os.environ.setdefault("COORDINATOR_ARTIFACTS", str(roots.artifacts))
+    os.environ[MAX_THREADS_ENV] = str(max_threads)
+
+
+def run_service(options: ServiceOptions, host: str, port: int, shown_token: bool) -> None:
+    """Build the service (on an etcd of its own without --etcd), serve until SIGTERM, stop."""
+    import dataclasses
+
+    from coordinator.etcd.errors import EtcdError
+    from coordinator.service.embedded import ServiceEtcd
+    from coordinator.service.launchers import LauncherUnavailable
+    from coordinator.service.rest import server
+    from coordinator.service.rest.auth import GENERATED_TOKEN_FILE
+    from coordinator.service.runner import Service
+
+    embedded = ServiceEtcd(options.data_dir) if not options.etcd else None
     if embedded is not None:
-        security = embedded.security
-        security.export()
-    # By concern: etcd; the local members; the API and placing; the container launchers.
-    options = ServiceOptions(
-        etcd=endpoint, namespace=namespace, security=security,
-        data_dir=data_dir, max_workers=max_workers, gpus=gpu_ids, run_as=run_as_uids, grace=grace,
-        events_ping=events_ping,
-        max_threads=max_threads, member_pids_limit=member_pids_limit,
-        member_ttl=member_ttl, member_connect_timeout=member_connect_timeout,
-        tokens=tokens, default_launcher=default_launcher, max_txn_ops=max_txn_ops,
-        signing_key=signing_key.absolute() if signing_key is not None else None,
-        docker_image=docker_image, docker_network=docker_network, docker_host=docker_host,
-        docker_etcd=docker_etcd, docker_memory=docker_memory,
-        docker_pids_limit=docker_pids_limit, docker_artifacts=docker_artifacts,
-        allowed_images=tuple(allowed_image or ()),
-        k8s_image=k8s_image, k8s_namespace=k8s_namespace, k8s_etcd=k8s_etcd,
-    )  # fmt: skip
+        embedded.security.export()  # the local members inherit it
+        options = dataclasses.replace(options, etcd=embedded.endpoint, security=embedded.security)
     try:
         service = Service(options)
     except EtcdError as exc:  # unreachable, or a TLS or auth setting refused
@@ -312,19 +372,20 @@ def serve(
         if embedded is not None:
             embedded.stop()
         raise typer.BadParameter(str(exc), param_hint="--k8s-image") from None
-    console.print(f"[dim]etcd at {endpoint}; data in {data_dir}[/dim]")
+    console.print(f"[dim]etcd at {options.etcd}; data in {options.data_dir}[/dim]")
     service.start()
     shown = "[::1]" if host == "::1" else host
     link = f"http://{shown}:{port}/"
-    if tokens is not None and token_file is None:
+    if shown_token:
         if console.file.isatty():  # a person's terminal; in the fragment: never sent on
-            link += f"#token={tokens.strongest()}"
+            assert options.tokens is not None
+            link += f"#token={options.tokens.strongest()}"
         else:  # a log: the token stays in its file
-            link += f" (token: {data_dir / GENERATED_TOKEN_FILE})"
+            link += f" (token: {options.data_dir / GENERATED_TOKEN_FILE})"
     console.print(f"dashboard: {link}", soft_wrap=True, highlight=False)
     try:
         simulator = service.app.state.context.simulator  # its runs end 503 at SIGTERM
-        server.run(service.app, host, port, grace, on_stop=simulator.stop)
+        server.run(service.app, host, port, options.grace, on_stop=simulator.stop)
     finally:
         idle = service.idle()
         service.stop()

@@ -91,12 +91,15 @@ class ServiceOptions:
     # TLS and auth of the service's etcd client (None: the COORDINATOR_ETCD_* variables).
     # Local members inherit them from the environment (`serve` exports them there).
     security: EtcdSecurity | None = None
+    # Where submitted paths may point (None: the roots `serve` exported for the members).
+    roots: Roots | None = None
 
 
 class Service:
     def __init__(self, options: ServiceOptions) -> None:
         self.options = options
         os.environ.setdefault("COORDINATOR_ARTIFACTS", str(options.data_dir / "artifacts"))
+        roots = options.roots or Roots.from_environment()
         self.etcd = Etcd(options.etcd, namespace=options.namespace, security=options.security)
         self.signer = service_signer(options)
         self.store = JobStore(self.etcd, self.signer, mirror=True)
@@ -104,7 +107,7 @@ class Service:
             Launcher.LOCAL: LocalLauncher(
                 options.data_dir / "logs",
                 # A program without a working_dir runs in the root of working_dirs.
-                workdir=work if (work := Roots.from_environment().working_dir).is_dir() else None,
+                workdir=work if (work := roots.working_dir).is_dir() else None,
                 gpus=options.gpus,
                 run_as=options.run_as,
                 pids_limit=options.member_pids_limit,
@@ -167,6 +170,7 @@ class Service:
             local_gpus=options.gpus,
             tokens=options.tokens,
             default_launcher=options.default_launcher,
+            roots=roots,
             images=images,
             max_threads=options.max_threads or host_cores(),
             events_ping=options.events_ping,
