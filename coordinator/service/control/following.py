@@ -15,16 +15,17 @@ from pydantic import BaseModel, ValidationError
 
 from coordinator.events import Done, Failed, Phase, Report, Round, Step
 from coordinator.jobs.kinds import kind_of
-from coordinator.service.control.output_reads import OutputReads
+from coordinator.service.control.output_reads import MemberKey, OutputReads
 from coordinator.service.launchers import VANISHED, WorkerLauncher
 from coordinator.service.model import JobRecord, Member
+from coordinator.service.output_cursor import OutputCursor
 from coordinator.service.series import member_events
 
 
 class Follower:
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self._offsets: dict[tuple[str, int, int], int] = {}  # (job, attempt, index) -> bytes read
+        self._cursor: OutputCursor[MemberKey] = OutputCursor()  # (job, attempt, index)
         self._progress_at: dict[str, float] = {}
         self._pending_progress: dict[str, dict[str, Any]] = {}  # job -> not yet written
         self.reads = OutputReads()  # off the reconciler's thread: no agent holds it up
@@ -35,12 +36,11 @@ class Follower:
         """The member with what its new output and its exit code say. What a member
         prints is not trusted to fit the record: what would not is left out."""
         key = (record.id, attempt, member.index)
-        offset = self._offsets.get(key, 0)
+        offset = self._cursor.offset(key)
         chunk = self.reads.read(key, offset, lambda: launcher.output(member, offset))
         if chunk is None:  # its read is still running: its exit is looked at after it
             return member
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # whole lines only
-        self._offsets[key] = offset + len(complete)
+        complete = self._cursor.advance(key, chunk)  # the rest: at the next tick
         update: dict[str, Any] = {}
         for event in member_events(complete):
             rank = getattr(event, "rank", None)
@@ -95,8 +95,7 @@ class Follower:
 
     def forget(self, job_id: str, attempt: int, members: int, job_over: bool) -> None:
         """An attempt ended: its members' output is read no more (nor the job's, once over)."""
-        for index in range(members):
-            self._offsets.pop((job_id, attempt, index), None)
+        self._cursor.forget(lambda key: key[:2] == (job_id, attempt))
         self.reads.forget(lambda key: key[:2] == (job_id, attempt))
         if job_over:
             self._pending_progress.pop(job_id, None)

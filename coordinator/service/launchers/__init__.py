@@ -42,6 +42,9 @@ OWN_SLOTS = frozenset({Launcher.LOCAL, Launcher.DOCKER})
 #: signal while not our child, so neither a status nor a last event tells how.
 VANISHED = -1
 
+#: The most bytes of a member's output one `output` call answers.
+OUTPUT_CAP = 1024 * 1024
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -113,7 +116,8 @@ class WorkerLauncher(Protocol):
     def kill(self, member: Member) -> None: ...
 
     def output(self, member: Member, offset: int) -> bytes:
-        """The member's output (stdout and stderr, interleaved) from byte `offset` on."""
+        """The member's output (stdout and stderr, interleaved) from byte `offset` on, at
+        most `OUTPUT_CAP` bytes of it (read on with `output_cursor.OutputCursor`)."""
         ...
 
     def remove(self, run_id: str) -> int:

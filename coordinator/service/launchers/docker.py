@@ -60,6 +60,7 @@ from coordinator.jobs.kinds import kind_of
 from coordinator.service.images import ImagePolicy
 from coordinator.service.launchers import (
     NOTHING,
+    OUTPUT_CAP,
     VANISHED,
     Launch,
     OnDemandLauncher,
@@ -267,7 +268,7 @@ class DockerLauncher(OnDemandLauncher):
         """The engine keeps the output; it reads it whole (no byte offsets in its API)."""
         try:
             container = self._get(member)
-            return container.logs(stdout=True, stderr=True)[offset:]
+            return container.logs(stdout=True, stderr=True)[offset : offset + OUTPUT_CAP]
         except ENGINE_ERRORS as exc:
             if not isinstance(exc, NotFound):
                 log.warning("container %s: %s", member.container, exc)

@@ -44,7 +44,14 @@ from kubernetes.client.exceptions import ApiException
 
 from coordinator.deploy import k8s
 from coordinator.service.images import ImagePolicy
-from coordinator.service.launchers import NOTHING, VANISHED, Launch, OnDemandLauncher, Reservation
+from coordinator.service.launchers import (
+    NOTHING,
+    OUTPUT_CAP,
+    VANISHED,
+    Launch,
+    OnDemandLauncher,
+    Reservation,
+)
 from coordinator.service.launchers.kubernetes_api import default_client
 from coordinator.service.launchers.kubernetes_job import (
     RUN_ANNOTATION,
@@ -253,7 +260,7 @@ class KubernetesLauncher(OnDemandLauncher):
                 _preload_content=False,
                 _request_timeout=self.request_timeout,
             )
-            return bytes(response.data)[max(0, offset) :]
+            return bytes(response.data)[max(0, offset) : max(0, offset) + OUTPUT_CAP]
         except ApiException as exc:
             if exc.status not in (400, 404):  # 400: not started yet; 404: deleted meanwhile
                 log.warning("pod %s log: %s", state.name, _api_message(exc))

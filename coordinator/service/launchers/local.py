@@ -45,6 +45,7 @@ from coordinator.launch.pids import (
 )
 from coordinator.service.launchers import (
     NOTHING,
+    OUTPUT_CAP,
     VANISHED,
     Launch,
     OnDemandLauncher,
@@ -261,7 +262,7 @@ class LocalLauncher(OnDemandLauncher):
         try:
             with open(self._within(files.log), "rb") as log:
                 log.seek(max(0, offset))
-                return log.read()
+                return log.read(OUTPUT_CAP)
         except (FileNotFoundError, ValueError):
             return b""
 

@@ -41,7 +41,7 @@ from coordinator.etcd.client import Etcd
 from coordinator.etcd.errors import EtcdError
 from coordinator.etcd.txn import CreatedAt, KeyValue, Put, QuietSince
 from coordinator.keys import Keys, leaf, member_name, of_run, placements_of
-from coordinator.service.launchers import VANISHED, Launch, Reservation
+from coordinator.service.launchers import OUTPUT_CAP, VANISHED, Launch, Reservation
 from coordinator.service.model import JobSpec, Member
 from coordinator.service.placement.ahead import PLACEMENT_GRACE, PlacementsAhead
 from coordinator.service.placement.chunks import (
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds one read of a member's output may take in all, and the most bytes it returns.
 OUTPUT_DEADLINE = 2.0
-OUTPUT_CAP = 1024 * 1024
 #: Seconds each network operation of such a read may take (connect, send, each read).
 OUTPUT_STEP = 0.5
 

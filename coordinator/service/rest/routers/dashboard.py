@@ -23,6 +23,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,7 @@ from coordinator.events import Done, Failed, MemberEvent, Metrics, Phase, Round,
 from coordinator.jobs.kinds import KINDS
 from coordinator.keys import JobKeys
 from coordinator.service.model import JobRecord, Member
+from coordinator.service.output_cursor import OutputCursor
 from coordinator.service.rest.context import (
     API,
     ApiContext,
@@ -119,8 +121,9 @@ def _all_events(context: ApiContext, record: JobRecord) -> list[MemberEvent]:
     if launcher is None:
         return []
     events = []
-    for member in _members(record):
-        events += member_events(launcher.output(member, 0))
+    cursor: OutputCursor[int] = OutputCursor()  # by place in `_members`
+    for at, member in enumerate(_members(record)):
+        events += member_events(cursor.read(at, partial(launcher.output, member)))
     return events
 
 
@@ -144,17 +147,17 @@ async def _live(context: ApiContext, record: JobRecord) -> AsyncIterator[dict[st
     for kv in kvs:
         note(kv.key, kv.value)
     watch = etcd.watch(prefix, on_clocks, start_revision=revision + 1, prefix=True)
-    offsets: dict[tuple[int, int], int] = {}
+    cursor: OutputCursor[tuple[int, int]] = OutputCursor()  # (attempt, index)
     launcher = context.launchers.get(record.spec.launcher)
 
     def new_events(current: JobRecord) -> list[dict[str, Any]]:
         found = []
         for attempt in current.attempts:
             for member in attempt.members:
+                if launcher is None:
+                    continue
                 key = (attempt.number, member.index)
-                chunk = launcher.output(member, offsets.get(key, 0)) if launcher else b""
-                whole = chunk[: chunk.rfind(b"\n") + 1]
-                offsets[key] = offsets.get(key, 0) + len(whole)
+                whole = cursor.read(key, partial(launcher.output, member))
                 found += [e.wire() for e in member_events(whole) if isinstance(e, LIVE_EVENTS)]
         return found
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Response
@@ -20,6 +21,7 @@ from coordinator.events import member_own_line, neutralise, split_lines
 from coordinator.jobs.kinds import kind_of
 from coordinator.service.launchers import WorkerLauncher
 from coordinator.service.model import JobRecord, Member
+from coordinator.service.output_cursor import OutputCursor
 from coordinator.service.rest.context import API, Context, reader, stored_or_404
 from coordinator.service.store import InvalidRecord, JobNotFound, JobStore, Stored
 
@@ -140,7 +142,7 @@ async def _log_lines(
     follow: bool,
     events: bool,
 ) -> AsyncIterator[str]:
-    offsets = {m.index: 0 for m in members}
+    cursor: OutputCursor[int] = OutputCursor()  # by member index
 
     def label(member: Member) -> str:
         return f"[rank {member.rank}] " if member.rank is not None else f"[member {member.index}] "
@@ -148,9 +150,7 @@ async def _log_lines(
     def read() -> list[str]:
         lines = []
         for member in members:
-            chunk = launcher.output(member, offsets[member.index])
-            whole = chunk[: chunk.rfind(b"\n") + 1]
-            offsets[member.index] += len(whole)
+            whole = cursor.read(member.index, partial(launcher.output, member))
             # Split as every reader splits; a member's own line keeps no hidden line end.
             text = [neutralise(line.decode(errors="replace")) for line in split_lines(whole)]
             if not events:
