@@ -62,20 +62,50 @@ def names(params: tuple[Param, ...]) -> list[str]:
     return [param.name for param in params]
 
 
+class Use(BaseModel):
+    """A `[[kind]]` block that takes a shared group's parameters where it stands, with
+    the kind's own defaults or descriptions for some of them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    use: str
+    defaults: dict[str, str] = {}
+    descriptions: dict[str, str] = {}
+
+
 def load(text: str, source: str = CATALOG_FILE) -> dict[str, tuple[Param, ...]]:
-    """Each kind's parameters from catalog TOML: a `[[kind]]` block a parameter, or a
-    `[kind]` table of pass-through ones. A ValueError names the file, the kind, the
-    parameter and the field, so a slip in the data fails at import and says where."""
+    """Each kind's parameters from catalog TOML: a `[[kind]]` block a parameter (or one
+    that uses a `[[groups.<name>]]` group of them), or a `[kind]` table of pass-through
+    ones. A ValueError names the file, the kind, the parameter and the field, so a slip in
+    the data fails at import and says where."""
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{source}: {error}") from error
-    return {kind: _kind_params(f"{source}: {kind}", entries) for kind, entries in document.items()}
+    groups = document.pop("groups", {})
+    if not isinstance(groups, dict):
+        raise ValueError(f"{source}: groups: not a table of [[groups.<name>]] blocks")
+    shared = {name: _kind_params(f"{source}: groups.{name}", entries, {})
+              for name, entries in groups.items()}  # fmt: skip
+    return {
+        kind: _kind_params(f"{source}: {kind}", entries, shared)
+        for kind, entries in document.items()
+    }
 
 
-def _kind_params(where: str, entries: Any) -> tuple[Param, ...]:
+def _kind_params(
+    where: str, entries: Any, groups: dict[str, tuple[Param, ...]]
+) -> tuple[Param, ...]:
     if isinstance(entries, list):
-        params = tuple(_param(where, index, entry) for index, entry in enumerate(entries))
+        params = tuple(
+            param
+            for index, entry in enumerate(entries)
+            for param in (
+                _used(where, index, entry, groups)
+                if isinstance(entry, dict) and "use" in entry
+                else (_param(where, index, entry),)
+            )
+        )
     elif isinstance(entries, dict):
         params = _pass_through(where, entries)
     else:
@@ -93,6 +123,32 @@ def _param(where: str, index: int, entry: Any) -> Param:
     except ValidationError as error:
         name = entry.get("name") if isinstance(entry, dict) else None
         raise ValueError(f"{where} parameter {name or index + 1}: {_reasons(error)}") from error
+
+
+def _used(
+    where: str, index: int, entry: dict[str, Any], groups: dict[str, tuple[Param, ...]]
+) -> tuple[Param, ...]:
+    """A group's parameters, with the kind's own defaults and descriptions."""
+    try:
+        use = Use.model_validate(entry)
+    except ValidationError as error:
+        raise ValueError(f"{where} block {index + 1}: {_reasons(error)}") from error
+    if use.use not in groups:
+        known = ", ".join(groups) or "none"
+        raise ValueError(f"{where} block {index + 1}: no group {use.use!r} (known: {known})")
+    params = groups[use.use]
+    unknown = sorted((set(use.defaults) | set(use.descriptions)) - set(names(params)))
+    if unknown:
+        raise ValueError(f"{where}: group {use.use} has no parameter {', '.join(unknown)}")
+    return tuple(
+        param.model_copy(
+            update={
+                "default": use.defaults.get(param.name, param.default),
+                "description": use.descriptions.get(param.name, param.description),
+            }
+        )
+        for param in params
+    )
 
 
 def _pass_through(where: str, table: dict[str, Any]) -> tuple[Param, ...]:

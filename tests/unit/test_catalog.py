@@ -1,6 +1,7 @@
 """The kinds' parameter catalog (`coordinator/jobs/catalog.toml`, read by `catalog.load`):
 the loader refuses what is not a parameter, naming it, and the parameters the data file
-writes out in several kinds agree where the code relies on them being one."""
+writes out in several kinds agree where the code relies on them being one, and a group of
+them is written once and used where a kind names it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from coordinator.barriers.policy import Method
 from coordinator.jobs import catalog
-from coordinator.jobs.catalog import Param, load
+from coordinator.jobs.catalog import Param, load, names
 from coordinator.jobs.kinds import KINDS
 
 BARRIER_PARAMS = ("method", "staleness", "staleness_upper", "sample", "on_loss")
@@ -100,20 +101,79 @@ def test_the_loader_refuses_what_is_not_a_parameter_naming_it(text: str, named: 
         load(text)
 
 
-def test_every_barrier_kind_lists_the_same_barrier_parameters() -> None:
-    """Written out in each kind the barrier paces: the same types, choices and defaults,
-    but for the method's default, which is the kind's own (`Barrier.default_method`)."""
+def test_a_group_is_written_once_and_used_where_a_kind_names_it() -> None:
+    loaded = load(
+        """
+        [[groups.pace]]
+        name = "mode"
+        type = "choice"
+        choices = ["fast", "slow"]
+        description = "how it runs"
+
+        [[groups.pace]]
+        name = "seed"
+        type = "integer"
+        default = "0"
+        description = "the seed"
+
+        [[first]]
+        name = "data"
+        type = "path"
+        description = "where"
+
+        [[first]]
+        use = "pace"
+        defaults = { mode = "fast" }
+
+        [[second]]
+        use = "pace"
+        descriptions = { mode = "how it runs (required)" }
+        """
+    )
+    assert set(loaded) == {"first", "second"}  # a group is no kind
+    assert names(loaded["first"]) == ["data", "mode", "seed"]  # where the kind uses it
+    first, second = by_name(loaded["first"]), by_name(loaded["second"])
+    assert (first["mode"].default, second["mode"].default) == ("fast", None)
+    assert second["mode"].description == "how it runs (required)"
+    assert first["seed"] == second["seed"]
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('[[demo]]\nuse = "pace"', r"demo block 1: no group 'pace' \(known: none\)"),
+        (
+            '[[groups.pace]]\nname = "a"\ntype = "text"\ndescription = "d"\n'
+            '[[demo]]\nuse = "pace"\ndefaults = { b = "1" }',
+            r"demo: group pace has no parameter b",
+        ),
+        (
+            '[[groups.pace]]\nname = "a"\ntype = "text"\ndescription = "d"\n'
+            '[[demo]]\nuse = "pace"\ncolour = "red"',
+            r"demo block 1: colour: Extra inputs are not permitted",
+        ),
+        (
+            '[[groups.pace]]\nname = "a"\ntype = "text"\ndescription = "d"\n'
+            '[[demo]]\nname = "a"\ntype = "text"\ndescription = "e"\n[[demo]]\nuse = "pace"',
+            r"demo: listed twice: a",
+        ),
+    ],
+)
+def test_a_use_of_a_group_that_cannot_be_is_refused_naming_it(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        load(text)
+
+
+def test_every_barrier_kind_uses_the_barrier_group() -> None:
+    """The kinds the barrier paces have its parameters, each with the method's default
+    that is the kind's own (`Barrier.default_method`)."""
     barrier_kinds = [kind for kind in KINDS.values() if kind.barrier is not None]
     assert [kind.name for kind in barrier_kinds] == ["steps", "mnist"]
-    first = by_name(barrier_kinds[0].params)
     for kind in barrier_kinds:
         assert kind.barrier is not None
         params = by_name(kind.params)
+        assert set(BARRIER_PARAMS) <= set(params)
         assert params["method"].default == kind.barrier.default_method
-        for name in BARRIER_PARAMS:
-            own = {"description", "default"} if name == "method" else set()
-            mine, firsts = params[name].model_dump(exclude=own), first[name].model_dump(exclude=own)
-            assert mine == firsts, f"{kind.name}: {name}"
 
 
 def test_the_method_choices_are_the_barriers_methods() -> None:
