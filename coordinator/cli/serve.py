@@ -325,7 +325,8 @@ def made_roots(
         artifacts_root or Path(default_artifacts),
         working_dir or data_dir / "work",
     )
-    for name, root in zip(ROOT_ENVS, (roots.data, roots.artifacts, roots.working_dir), strict=True):
+    for name, folder in roots.environment().items():
+        root = Path(folder)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # e.g. a folder only the agents' or pods' hosts have
@@ -333,15 +334,10 @@ def made_roots(
     return roots
 
 
-#: The environment the local members inherit their roots from (they check them again).
-ROOT_ENVS = ("COORDINATOR_DATA_ROOT", "COORDINATOR_ARTIFACTS_ROOT", "COORDINATOR_WORKING_DIR_ROOT")
-
-
 def export_for_members(roots: Roots, max_threads: int) -> None:
     """What the local members inherit and check again as they read: the roots, the jobs'
     default artifacts folder and the thread cap. The service itself is passed them."""
-    for name, root in zip(ROOT_ENVS, (roots.data, roots.artifacts, roots.working_dir), strict=True):
-        os.environ[name] = str(root)
+    os.environ.update(roots.environment())
     os.environ.setdefault("COORDINATOR_ARTIFACTS", str(roots.artifacts))
     os.environ[MAX_THREADS_ENV] = str(max_threads)
 

@@ -70,6 +70,14 @@ class Roots:
             Path(os.environ.get(WORKING_DIR_ROOT_ENV) or "work"),
         )
 
+    def environment(self) -> dict[str, str]:
+        """The variables `from_environment` reads them back from (what members inherit)."""
+        return {
+            DATA_ROOT_ENV: str(self.data),
+            ARTIFACTS_ROOT_ENV: str(self.artifacts),
+            WORKING_DIR_ROOT_ENV: str(self.working_dir),
+        }
+
 
 @dataclass(frozen=True)
 class Policy:

@@ -52,10 +52,11 @@ class ApiContext:
 
     def policy(self) -> Policy:
         """What a submission may ask for here (`admission.admit`)."""
+        assert self.roots is not None  # `create_app` leaves them set
         return Policy(
             launchers=self.launchers,
             max_workers=self.max_workers,
-            roots=self.roots or Roots.from_environment(),
+            roots=self.roots,
             max_threads=self.max_threads,
             default_launcher=self.default_launcher,
             local_gpus=len(self.local_gpus),
